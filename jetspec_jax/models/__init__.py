@@ -1,0 +1,1 @@
+"""Target and draft-head models."""

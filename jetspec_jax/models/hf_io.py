@@ -1,0 +1,369 @@
+"""Hugging Face checkpoint import/export for Qwen3 / Qwen3-MoE targets (no torch needed).
+
+Reads ``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``
+with ``safetensors.numpy`` (bfloat16 arrives as ``ml_dtypes.bfloat16``), and writes the same
+layout so ``transformers`` loads it back.
+
+Name mapping (HF tensor ``[out, in]`` -> Flax kernel ``[in, out]``, heads split out)::
+
+  model.embed_tokens.weight                 [V, D]      embed_tokens/embedding       [V, D]
+  model.layers.i.self_attn.q_proj.weight    [N*H, D]    layers_i/self_attn/q_proj/kernel [D, N, H]
+  model.layers.i.self_attn.{k,v}_proj.weight[K*H, D]    .../{k,v}_proj/kernel        [D, K, H]
+  model.layers.i.self_attn.o_proj.weight    [D, N*H]    .../o_proj/kernel            [N, H, D]
+  model.layers.i.self_attn.{q,k}_norm.weight[H]         .../{q,k}_norm/scale         [H]
+  model.layers.i.{input,post_attention}_layernorm.weight  layers_i/<same>/scale      [D]
+  model.layers.i.mlp.{gate,up}_proj.weight  [F, D]      layers_i/mlp/<same>/kernel   [D, F]
+  model.layers.i.mlp.down_proj.weight       [D, F]      layers_i/mlp/down_proj/kernel [F, D]
+  model.layers.i.mlp.gate.weight (MoE)      [E, D]      layers_i/mlp/gate/kernel     [D, E]
+  model.layers.i.mlp.experts.e.{gate,up}_proj.weight [f, D]  .../experts/{gate,up}_proj [E, D, f]
+  model.layers.i.mlp.experts.e.down_proj.weight      [D, f]  .../experts/down_proj     [E, f, D]
+  model.norm.weight                                     norm/scale
+  lm_head.weight                            [V, D]      lm_head/kernel               [D, V]
+
+Experts are also accepted in the fused layout (``mlp.experts.gate_up_proj [E, 2f, D]``,
+``mlp.experts.down_proj [E, D, f]``); they are always written per expert.
+"""
+
+import json
+import os
+import pathlib
+import re
+from collections.abc import Callable, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from jetspec_jax.models import qwen3
+
+SUPPORTED_ARCHITECTURES = {'Qwen3ForCausalLM': 'qwen3', 'Qwen3MoeForCausalLM': 'qwen3_moe'}
+SINGLE_FILE = 'model.safetensors'
+INDEX_FILE = 'model.safetensors.index.json'
+
+
+class CheckpointError(ValueError):
+  """A checkpoint directory that cannot be read as the expected model."""
+
+
+# --------------------------------------------------------------------------------------------
+# Config.
+
+
+def rope_theta_from_hf(hf: Mapping) -> float:
+  """RoPE theta from ``rope_parameters`` (transformers >= 5) or ``rope_theta``."""
+  params = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
+  rope_type = params.get('rope_type', params.get('type', 'default'))
+  if rope_type not in ('default', None):
+    raise CheckpointError(f'rope_type {rope_type!r} is not supported (only default RoPE)')
+  theta = params.get('rope_theta', hf.get('rope_theta'))
+  if theta is None:
+    raise CheckpointError('config.json gives no rope_theta (nor rope_parameters.rope_theta)')
+  return float(theta)
+
+
+def config_from_hf(hf: Mapping) -> qwen3.Qwen3Config:
+  """Builds a :class:`Qwen3Config` from a Hugging Face ``config.json`` dict."""
+  archs = hf.get('architectures') or []
+  model_type = hf.get('model_type')
+  known = set(SUPPORTED_ARCHITECTURES.values())
+  if model_type not in known or (archs and archs[0] not in SUPPORTED_ARCHITECTURES):
+    raise CheckpointError(f'unsupported architecture {archs or model_type!r}; supported: '
+                          f'{sorted(SUPPORTED_ARCHITECTURES)}')
+  if hf.get('attention_bias'):
+    raise CheckpointError('attention_bias=True is not supported (Qwen3 has no attention bias)')
+  if hf.get('use_sliding_window'):
+    raise CheckpointError('use_sliding_window=True is not supported')
+  if hf.get('hidden_act', 'silu') != 'silu':
+    raise CheckpointError(f'hidden_act {hf["hidden_act"]!r} is not supported (silu only)')
+  heads = hf['num_attention_heads']
+  eos = hf.get('eos_token_id')
+  moe = {}
+  if model_type == 'qwen3_moe':
+    moe = dict(num_experts=hf.get('num_experts') or hf['num_local_experts'], num_experts_per_tok=hf['num_experts_per_tok'],
+               moe_intermediate_size=hf['moe_intermediate_size'],
+               norm_topk_prob=bool(hf.get('norm_topk_prob', False)),
+               decoder_sparse_step=hf.get('decoder_sparse_step', 1),
+               mlp_only_layers=tuple(hf.get('mlp_only_layers') or ()))
+  return qwen3.Qwen3Config(
+      vocab_size=hf['vocab_size'], hidden_size=hf['hidden_size'],
+      intermediate_size=hf['intermediate_size'], num_hidden_layers=hf['num_hidden_layers'],
+      num_attention_heads=heads, num_key_value_heads=hf.get('num_key_value_heads') or heads,
+      head_dim=hf.get('head_dim') or hf['hidden_size'] // heads,
+      rope_theta=rope_theta_from_hf(hf), rms_norm_eps=hf.get('rms_norm_eps', 1e-6),
+      tie_word_embeddings=bool(hf.get('tie_word_embeddings', False)),
+      max_position_embeddings=hf.get('max_position_embeddings', 40960),
+      eos_token_id=eos[0] if isinstance(eos, list) else eos, **moe)
+
+
+def config_to_hf(cfg: qwen3.Qwen3Config, dtype=jnp.float32) -> dict:
+  """The Hugging Face ``config.json`` dict for ``cfg``."""
+  hf = dict(
+      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+      num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+      head_dim=cfg.head_dim, hidden_act='silu', max_position_embeddings=cfg.max_position_embeddings,
+      rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+      rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
+      tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=False,
+      use_sliding_window=False, dtype=jnp.dtype(dtype).name,
+      eos_token_id=cfg.eos_token_id)
+  if cfg.is_moe:
+    hf.update(architectures=['Qwen3MoeForCausalLM'], model_type='qwen3_moe',
+              num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+              moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+              decoder_sparse_step=cfg.decoder_sparse_step,
+              mlp_only_layers=list(cfg.mlp_only_layers))
+  else:
+    hf.update(architectures=['Qwen3ForCausalLM'], model_type='qwen3')
+  return hf
+
+
+# --------------------------------------------------------------------------------------------
+# Safetensors files.
+
+
+def safetensor_files(path: pathlib.Path, prefix: str = 'model') -> list[pathlib.Path]:
+  """The weight files of a checkpoint directory (single file or sharded index)."""
+  single, index = path / f'{prefix}.safetensors', path / f'{prefix}.safetensors.index.json'
+  if index.exists():
+    try:
+      weight_map = json.loads(index.read_text())['weight_map']
+    except (json.JSONDecodeError, KeyError) as e:
+      raise CheckpointError(f'{index} is not a valid safetensors index: {e}') from e
+    files = [path / name for name in dict.fromkeys(weight_map.values())]
+  elif single.exists():
+    files = [single]
+  else:
+    raise FileNotFoundError(f'no {single.name} or {index.name} in {path}')
+  for f in files:
+    if not f.exists():
+      raise CheckpointError(f'checkpoint shard {f.name} listed in {index.name} is missing')
+  return files
+
+
+def read_tensors(path: str | os.PathLike, prefix: str = 'model') -> dict[str, np.ndarray]:
+  """All tensors of a checkpoint directory as numpy arrays (name -> array)."""
+  tensors = {}
+  for f in safetensor_files(pathlib.Path(path), prefix):
+    try:
+      tensors.update(safetensors.numpy.load_file(f))
+    except (safetensors.SafetensorError, OSError, ValueError) as e:
+      raise CheckpointError(f'cannot read {f}: {e}') from e
+  return tensors
+
+
+def write_tensors(tensors: Mapping[str, np.ndarray], path: str | os.PathLike,
+                  prefix: str = 'model', max_shard_bytes: int | None = None) -> None:
+  """Writes tensors as one file, or as shards plus an index when over ``max_shard_bytes``."""
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+  total = sum(v.nbytes for v in tensors.values())
+  if max_shard_bytes is None or total <= max_shard_bytes:
+    safetensors.numpy.save_file(tensors, path / f'{prefix}.safetensors',
+                                metadata={'format': 'pt'})
+    return
+  shards, current, size = [], {}, 0
+  for name, value in tensors.items():
+    if current and size + value.nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = {}, 0
+    current[name] = value
+    size += value.nbytes
+  shards.append(current)
+  weight_map = {}
+  for i, shard in enumerate(shards):
+    fname = f'{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors'
+    safetensors.numpy.save_file(shard, path / fname, metadata={'format': 'pt'})
+    weight_map.update({name: fname for name in shard})
+  index = {'metadata': {'total_size': total}, 'weight_map': weight_map}
+  (path / f'{prefix}.safetensors.index.json').write_text(json.dumps(index, indent=2))
+
+
+def read_config(path: pathlib.Path) -> dict:
+  if not path.is_dir():
+    raise FileNotFoundError(f'checkpoint directory {path} does not exist')
+  cfg_file = path / 'config.json'
+  if not cfg_file.exists():
+    raise FileNotFoundError(f'no config.json in {path}')
+  try:
+    return json.loads(cfg_file.read_text())
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f'{cfg_file} is not valid JSON: {e}') from e
+
+
+# --------------------------------------------------------------------------------------------
+# Name mapping.
+
+# One entry per Flax leaf: (flax path, HF name, to_flax(hf_array, cfg), to_hf(flax_array, cfg)).
+_Rule = tuple[tuple[str, ...], str, Callable, Callable]
+
+
+def _t(x, cfg):
+  return x.T
+
+
+def _ident(x, cfg):
+  return x
+
+
+def _rules(cfg: qwen3.Qwen3Config) -> Iterator[_Rule]:
+  n, k, h, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+
+  def heads_in(num):  # [num*H, D] -> [D, num, H]
+    return (lambda x, c: x.T.reshape(d, num, h), lambda x, c: x.reshape(d, num * h).T)
+
+  yield ('embed_tokens', 'embedding'), 'model.embed_tokens.weight', _ident, _ident
+  for i in range(cfg.num_hidden_layers):
+    lp, hp = f'layers_{i}', f'model.layers.{i}'
+    for proj, num in (('q_proj', n), ('k_proj', k), ('v_proj', k)):
+      yield (lp, 'self_attn', proj, 'kernel'), f'{hp}.self_attn.{proj}.weight', *heads_in(num)
+    yield ((lp, 'self_attn', 'o_proj', 'kernel'), f'{hp}.self_attn.o_proj.weight',
+           lambda x, c: x.T.reshape(n, h, d), lambda x, c: x.reshape(n * h, d).T)
+    for norm in ('q_norm', 'k_norm'):
+      yield (lp, 'self_attn', norm, 'scale'), f'{hp}.self_attn.{norm}.weight', _ident, _ident
+    for norm in ('input_layernorm', 'post_attention_layernorm'):
+      yield (lp, norm, 'scale'), f'{hp}.{norm}.weight', _ident, _ident
+    if cfg.is_sparse_layer(i):
+      yield (lp, 'mlp', 'gate', 'kernel'), f'{hp}.mlp.gate.weight', _t, _t
+      # Experts are handled by _expert_tensors / _split_experts (one leaf, many HF tensors).
+    else:
+      for proj in ('gate_proj', 'up_proj', 'down_proj'):
+        yield (lp, 'mlp', proj, 'kernel'), f'{hp}.mlp.{proj}.weight', _t, _t
+  yield ('norm', 'scale'), 'model.norm.weight', _ident, _ident
+  if not cfg.tie_word_embeddings:
+    yield ('lm_head', 'kernel'), 'lm_head.weight', _t, _t
+
+
+_EXPERT_RE = re.compile(r'model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight')
+
+
+def _expert_leaves(cfg: qwen3.Qwen3Config, tensors: dict[str, np.ndarray], used: set[str]):
+  """Yields (flax path, stacked array) for every sparse layer's experts (per-expert or fused)."""
+  for i in range(cfg.num_hidden_layers):
+    if not cfg.is_sparse_layer(i):
+      continue
+    hp, path = f'model.layers.{i}.mlp.experts', (f'layers_{i}', 'mlp', 'experts')
+    fused_gu, fused_down = f'{hp}.gate_up_proj', f'{hp}.down_proj'
+    if fused_gu in tensors and fused_down in tensors:
+      gate_up = tensors[fused_gu]  # [E, 2f, D]
+      f = gate_up.shape[1] // 2
+      used.update((fused_gu, fused_down))
+      yield path + ('gate_proj',), np.swapaxes(gate_up[:, :f], 1, 2)
+      yield path + ('up_proj',), np.swapaxes(gate_up[:, f:], 1, 2)
+      yield path + ('down_proj',), np.swapaxes(tensors[fused_down], 1, 2)
+      continue
+    for proj in ('gate_proj', 'up_proj', 'down_proj'):
+      names = [f'{hp}.{e}.{proj}.weight' for e in range(cfg.num_experts)]
+      missing = [name for name in names if name not in tensors]
+      if missing:
+        raise CheckpointError(f'missing tensor {missing[0]} ({len(missing)} expert tensors '
+                              'missing in all)')
+      used.update(names)
+      yield path + (proj,), np.stack([tensors[name].T for name in names])
+
+
+def _set(tree: dict, path: tuple[str, ...], value):
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], cfg: qwen3.Qwen3Config,
+                   dtype=jnp.float32) -> dict:
+  """Maps HF tensors to the Flax parameter pytree, checking names and shapes."""
+  expected = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), dtype))
+  params, used = {}, set()
+  for path, hf_name, to_flax, _ in _rules(cfg):
+    if hf_name not in tensors:
+      raise CheckpointError(f'missing tensor {hf_name}')
+    used.add(hf_name)
+    _set(params, path, _checked(to_flax, tensors[hf_name], cfg, hf_name,
+                                _get(expected, path).shape))
+  for path, value in _expert_leaves(cfg, tensors, used):
+    want = _get(expected, path).shape
+    if value.shape != want:
+      raise CheckpointError(f'shape mismatch for experts of {".".join(path)}: stacked '
+                            f'{value.shape}, expected {want}')
+    _set(params, path, value)
+  unexpected = sorted(set(tensors) - used)
+  if cfg.tie_word_embeddings and 'lm_head.weight' in unexpected:
+    # Some tied checkpoints still store the (identical) head; it carries no information.
+    unexpected.remove('lm_head.weight')
+  if unexpected:
+    raise CheckpointError(f'unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected '
+                          'in all)')
+  return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+
+
+def _checked(to_flax, value: np.ndarray, cfg, hf_name: str, want: tuple[int, ...]):
+  try:
+    out = to_flax(value, cfg)
+  except ValueError as e:
+    raise CheckpointError(f'shape mismatch for {hf_name}: got {value.shape}, cannot map to '
+                          f'{want}') from e
+  if out.shape != want:
+    raise CheckpointError(f'shape mismatch for {hf_name}: got {value.shape}, expected a '
+                          f'tensor that maps to {want}')
+  return out
+
+
+def params_to_hf(params: dict, cfg: qwen3.Qwen3Config) -> dict[str, np.ndarray]:
+  """The inverse of :func:`params_from_hf` (experts written per expert)."""
+  tensors = {}
+  for path, hf_name, _, to_hf in _rules(cfg):
+    tensors[hf_name] = to_hf(np.asarray(_get(params, path)), cfg)
+  for i in range(cfg.num_hidden_layers):
+    if not cfg.is_sparse_layer(i):
+      continue
+    experts = params[f'layers_{i}']['mlp']['experts']
+    for proj in ('gate_proj', 'up_proj', 'down_proj'):
+      stacked = np.asarray(experts[proj])
+      for e in range(cfg.num_experts):
+        tensors[f'model.layers.{i}.mlp.experts.{e}.{proj}.weight'] = stacked[e].T
+  return tensors
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry points.
+
+
+def load_target(path: str | os.PathLike, *, dtype=jnp.float32,
+                attn_impl: str = 'xla') -> qwen3.Target:
+  """Loads a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory as a :class:`Target`.
+
+  Args:
+    path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
+    dtype: parameter and compute dtype (float32 for parity, bfloat16 on accelerators).
+    attn_impl: ``'xla'`` or ``'pallas'``.
+
+  Raises:
+    FileNotFoundError: the directory, ``config.json`` or the weights are missing.
+    CheckpointError: unsupported architecture, missing/unexpected tensors, shape mismatches,
+      unreadable files.
+  """
+  if attn_impl not in qwen3.ATTN_IMPLS:
+    raise ValueError(f'attn_impl must be one of {qwen3.ATTN_IMPLS}, got {attn_impl!r}')
+  path = pathlib.Path(path)
+  cfg = config_from_hf(read_config(path))
+  params = params_from_hf(read_tensors(path), cfg, dtype)
+  return qwen3.Target(cfg=cfg, params=params, attn_impl=attn_impl)
+
+
+def save_target(target: qwen3.Target, path: str | os.PathLike, *,
+                max_shard_bytes: int | None = None) -> None:
+  """Writes ``target`` as a Hugging Face checkpoint that ``transformers`` loads."""
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  tensors = params_to_hf(jax.device_get(target.params), target.cfg)
+  write_tensors(tensors, path, max_shard_bytes=max_shard_bytes)
+  (path / 'config.json').write_text(
+      json.dumps(config_to_hf(target.cfg, target.dtype), indent=2))

@@ -1,0 +1,516 @@
+"""Qwen3 dense and Qwen3-MoE target models in Flax Linen, used functionally.
+
+One forward serves three modes (DESIGN.md §5):
+
+* **prefill** (causal): ``T`` prompt tokens written to slots ``0..T-1``;
+* **decode**: one token written at its slot, attending to every earlier slot;
+* **masked**: new tokens at explicit positions and slots, with an explicit boolean mask over the
+  cache slots (committed prefix + the new tokens themselves). The tree verifier uses it.
+
+The new tokens' K/V are first written into the cache at ``slots`` and attention then runs over the
+whole cache capacity ``S`` with a ``[B, T, S]`` mask. Without an explicit mask, query ``t`` sees
+every slot ``<= slots[t]`` (causal; correct because committed slots are contiguous positions).
+
+The forward optionally returns the residual stream after each layer in ``taps`` (the "target
+features" the draft head reads, spec §B.2), concatenated on the feature axis. A tap is the raw
+residual (pre final norm) for every layer; note that Hugging Face's last ``hidden_states`` entry is
+post final norm, so it differs for ``L = num_layers - 1`` only.
+"""
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax import kv_cache as kv_lib
+from jetspec_jax.typing import Array, Bool, Float, Int
+
+ATTN_IMPLS = ('xla', 'pallas')
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+  """Architecture of a Qwen3 (dense) or Qwen3-MoE target. Hashable: a static ``jit`` argument.
+
+  ``num_experts == 0`` means dense. For MoE, layer ``i`` is sparse iff ``i`` is not in
+  ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (Hugging Face's rule).
+  """
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  rope_theta: float = 1_000_000.0
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 40960
+  # Qwen3-MoE.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = True
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  eos_token_id: int | None = None
+
+  def __post_init__(self):
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(f'{self.num_attention_heads=} must be a multiple of '
+                       f'{self.num_key_value_heads=}')
+    if self.head_dim % 2:
+      raise ValueError(f'{self.head_dim=} must be even for rotary embeddings')
+    if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+      raise ValueError(f'{self.num_experts_per_tok=} must be in [1, {self.num_experts=}]')
+
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0
+
+  @property
+  def heads_per_kv(self) -> int:
+    return self.num_attention_heads // self.num_key_value_heads
+
+  def is_sparse_layer(self, i: int) -> bool:
+    return (self.is_moe and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0)
+
+
+def qwen3_0_6b() -> Qwen3Config:
+  return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                     num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                     head_dim=128, tie_word_embeddings=True, eos_token_id=151645)
+
+
+def qwen3_8b() -> Qwen3Config:
+  return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, tie_word_embeddings=False, eos_token_id=151645)
+
+
+def qwen3_30b_a3b() -> Qwen3Config:
+  return Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, tie_word_embeddings=False, num_experts=128,
+                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                     eos_token_id=151645)
+
+
+def tiny(**overrides) -> Qwen3Config:
+  """A small dense config with odd, prime-ish sizes so shape bugs show (STYLE.md item 3)."""
+  base = dict(vocab_size=257, hidden_size=44, intermediate_size=67, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=14, rope_theta=10_000.0,
+              max_position_embeddings=512)
+  return Qwen3Config(**{**base, **overrides})
+
+
+def tiny_moe(**overrides) -> Qwen3Config:
+  """A small Qwen3-MoE config: 5 experts, top-2, one dense layer."""
+  base = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=23,
+              mlp_only_layers=(1,))
+  return tiny(**{**base, **overrides})
+
+
+# --------------------------------------------------------------------------------------------
+# Modules.
+
+
+class RMSNorm(nn.Module):
+  """RMS norm over the last axis, computed in float32 (as Hugging Face Qwen3)."""
+
+  eps: float
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],), self.dtype)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return scale * y.astype(x.dtype)
+
+
+def rope(x: Float[Array, 'B T N H'], positions: Int[Array, 'B T'], theta: float) -> Array:
+  """Rotary embedding, Hugging Face's half-split ("rotate_half") layout, angles in float32."""
+  half = x.shape[-1] // 2
+  inv_freq = 1.0 / theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x.shape[-1])
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+  cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+  sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def attention_xla(q: Float[Array, 'B T N H'], k: Float[Array, 'B S K H'],
+                  v: Float[Array, 'B S K H'], mask: Bool[Array, 'B T S']) -> Array:
+  """Dense-mask GQA attention with a float32 softmax: the reference path."""
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  q = q.reshape(b, t, kh, n // kh, h)
+  scores = jnp.einsum('BTKGH,BSKH->BKGTS', q, k, preferred_element_type=jnp.float32)
+  scores = scores * (h ** -0.5)
+  scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum('BKGTS,BSKH->BTKGH', probs, v)
+  return out.reshape(b, t, n, h)
+
+
+class Attention(nn.Module):
+  """GQA attention with per-head q/k RMSNorm and RoPE; reads and writes one layer's cache."""
+
+  cfg: Qwen3Config
+  dtype: Any = jnp.float32
+  attn_impl: str = 'xla'
+
+  @nn.compact
+  def __call__(self, x, positions, slots, mask, cache_k, cache_v):
+    cfg = self.cfg
+    dense = functools.partial(nn.DenseGeneral, use_bias=False, dtype=self.dtype,
+                              param_dtype=self.dtype)
+    q = dense((cfg.num_attention_heads, cfg.head_dim), name='q_proj')(x)
+    k = dense((cfg.num_key_value_heads, cfg.head_dim), name='k_proj')(x)
+    v = dense((cfg.num_key_value_heads, cfg.head_dim), name='v_proj')(x)
+    q = RMSNorm(cfg.rms_norm_eps, self.dtype, name='q_norm')(q)
+    k = RMSNorm(cfg.rms_norm_eps, self.dtype, name='k_norm')(k)
+    q = rope(q, positions, cfg.rope_theta)
+    k = rope(k, positions, cfg.rope_theta)
+    cache_k = kv_lib.write_slots(cache_k, slots, k)
+    cache_v = kv_lib.write_slots(cache_v, slots, v)
+    if self.attn_impl != 'xla':
+      raise NotImplementedError(f'attn_impl={self.attn_impl!r} is not available; use "xla"')
+    out = attention_xla(q, cache_k, cache_v, mask)
+    out = dense(cfg.hidden_size, axis=(-2, -1), name='o_proj')(out)
+    return out, cache_k, cache_v
+
+
+class MLP(nn.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+  hidden_size: int
+  intermediate_size: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+    gate = dense(self.intermediate_size, name='gate_proj')(x)
+    up = dense(self.intermediate_size, name='up_proj')(x)
+    return dense(self.hidden_size, name='down_proj')(nn.silu(gate) * up)
+
+
+class Experts(nn.Module):
+  """``E`` SwiGLU experts as stacked weights, run as grouped (ragged) matmuls."""
+
+  cfg: Qwen3Config
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Float[Array, 'T D'], expert_ids: Int[Array, 'T k'],
+               weights: Float[Array, 'T k']) -> Float[Array, 'T D']:
+    cfg = self.cfg
+    e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    w_gate = self.param('gate_proj', init, (e, d, f), self.dtype)
+    w_up = self.param('up_proj', init, (e, d, f), self.dtype)
+    w_down = self.param('down_proj', init, (e, f, d), self.dtype)
+    num_tokens, top_k = expert_ids.shape
+    # Sort the (token, choice) pairs by expert so each expert's rows are contiguous; no token is
+    # dropped (every pair is computed).
+    flat_ids = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
+    rows = x[order // top_k]
+    hidden = nn.silu(jax.lax.ragged_dot(rows, w_gate, group_sizes)) * jax.lax.ragged_dot(
+        rows, w_up, group_sizes)
+    out_sorted = jax.lax.ragged_dot(hidden, w_down, group_sizes)
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, top_k, d)
+    return jnp.einsum('TkD,Tk->TD', out, weights.astype(out.dtype))
+
+
+class SparseMoE(nn.Module):
+  """Qwen3-MoE block: softmax router (float32), top-k, optional renormalisation, experts."""
+
+  cfg: Qwen3Config
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Float[Array, 'B T D']) -> Float[Array, 'B T D']:
+    cfg = self.cfg
+    b, t, d = x.shape
+    flat = x.reshape(b * t, d)
+    router_logits = nn.Dense(cfg.num_experts, use_bias=False, dtype=self.dtype,
+                             param_dtype=self.dtype, name='gate')(flat)
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, expert_ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights.astype(x.dtype)
+    out = Experts(cfg, self.dtype, name='experts')(flat, expert_ids, weights)
+    return out.reshape(b, t, d)
+
+
+class DecoderLayer(nn.Module):
+  cfg: Qwen3Config
+  layer_idx: int
+  dtype: Any = jnp.float32
+  attn_impl: str = 'xla'
+
+  @nn.compact
+  def __call__(self, x, positions, slots, mask, cache_k, cache_v):
+    cfg = self.cfg
+    h, cache_k, cache_v = Attention(cfg, self.dtype, self.attn_impl, name='self_attn')(
+        RMSNorm(cfg.rms_norm_eps, self.dtype, name='input_layernorm')(x),
+        positions, slots, mask, cache_k, cache_v)
+    x = x + h
+    normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name='post_attention_layernorm')(x)
+    if cfg.is_sparse_layer(self.layer_idx):
+      x = x + SparseMoE(cfg, self.dtype, name='mlp')(normed)
+    else:
+      x = x + MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, name='mlp')(normed)
+    return x, cache_k, cache_v
+
+
+class Qwen3(nn.Module):
+  """The Qwen3 / Qwen3-MoE decoder. Parameter names mirror Hugging Face's (see ``hf_io``)."""
+
+  cfg: Qwen3Config
+  dtype: Any = jnp.float32
+  attn_impl: str = 'xla'
+
+  def setup(self):
+    cfg = self.cfg
+    self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
+                                 param_dtype=self.dtype,
+                                 embedding_init=nn.initializers.normal(0.02))
+    self.layers = [DecoderLayer(cfg, i, self.dtype, self.attn_impl)
+                   for i in range(cfg.num_hidden_layers)]
+    self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
+                              param_dtype=self.dtype)
+
+  def __call__(self, tokens, positions, slots, mask, cache_k, cache_v, taps=()):
+    x = self.embed_tokens(tokens)
+    new_k, new_v, tapped = [], [], {}
+    for i, layer in enumerate(self.layers):
+      x, k, v = layer(x, positions, slots, mask, cache_k[i], cache_v[i])
+      new_k.append(k)
+      new_v.append(v)
+      if i in taps:
+        tapped[i] = x
+    features = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+    return self.norm(x), tuple(new_k), tuple(new_v), features
+
+  def embed(self, tokens):
+    return self.embed_tokens(tokens)
+
+  def logits(self, hidden):
+    if self.cfg.tie_word_embeddings:
+      return self.embed_tokens.attend(hidden)
+    return self.lm_head(hidden)
+
+  def init_all(self, tokens, positions, slots, mask, cache_k, cache_v):
+    """Touches every parameter (used by ``init``)."""
+    hidden, *_ = self(tokens, positions, slots, mask, cache_k, cache_v)
+    return self.logits(hidden)
+
+
+# --------------------------------------------------------------------------------------------
+# Functional API.
+
+
+class ForwardOutput(NamedTuple):
+  """Result of :func:`forward`.
+
+  Attributes:
+    hidden: ``[B, T, D]`` final-normed hidden states (apply :func:`logits` for logits).
+    cache: the cache with the new tokens' K/V written.
+    taps: ``[B, T, len(taps) * D]`` residual streams after the tapped layers, or None.
+  """
+
+  hidden: Array
+  cache: kv_lib.KVCache
+  taps: Array | None
+
+
+def make_cache(cfg: Qwen3Config, batch_size: int, capacity: int,
+               dtype=jnp.float32) -> kv_lib.KVCache:
+  """An empty KV cache for ``cfg`` at a static ``capacity``."""
+  return kv_lib.init_cache(num_layers=cfg.num_hidden_layers, batch_size=batch_size,
+                           capacity=capacity, num_kv_heads=cfg.num_key_value_heads,
+                           head_dim=cfg.head_dim, dtype=dtype)
+
+
+def init_params(cfg: Qwen3Config, key, dtype=jnp.float32) -> dict:
+  """Random parameters (Flax default initialisers; embeddings and router ~ N(0, 0.02))."""
+  model = Qwen3(cfg, dtype)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  cache = make_cache(cfg, 1, 1, dtype)
+  mask = jnp.ones((1, 1, 1), bool)
+  variables = model.init(key, tokens, tokens, tokens, mask, cache.k, cache.v,
+                         method=Qwen3.init_all)
+  return variables['params']
+
+
+def causal_mask(slots: Int[Array, 'B T'], capacity: int) -> Bool[Array, 'B T S']:
+  """Query ``t`` sees every cache slot ``<= slots[t]``."""
+  return jnp.arange(capacity)[None, None, :] <= slots[:, :, None]
+
+
+def forward(
+    params: dict,
+    tokens: Int[Array, 'B T'],
+    cache: kv_lib.KVCache,
+    *,
+    cfg: Qwen3Config,
+    positions: Int[Array, 'B T'] | None = None,
+    slots: Int[Array, 'B T'] | None = None,
+    mask: Bool[Array, 'B T S'] | None = None,
+    taps: tuple[int, ...] = (),
+    attn_impl: str = 'xla',
+) -> ForwardOutput:
+  """One target forward in prefill, decode or masked mode (see module docstring).
+
+  Args:
+    params: the parameter pytree.
+    tokens: ``int32[B, T]`` new tokens.
+    cache: the KV cache; the new tokens' K/V are written at ``slots``.
+    cfg: the architecture.
+    positions: ``int32[B, T]`` RoPE positions; defaults to ``cache.lengths[:, None] + arange(T)``.
+    slots: ``int32[B, T]`` cache slots to write; defaults to ``positions``. Slots ``>= S`` are
+      dropped (use them for padding rows).
+    mask: ``bool[B, T, S]`` which cache slots (after the write) each new token attends to;
+      defaults to :func:`causal_mask` of ``slots``.
+    taps: layer ids whose output residual stream is returned, concatenated in this order.
+    attn_impl: ``'xla'`` (dense-mask reference) or ``'pallas'``.
+
+  Returns:
+    A :class:`ForwardOutput`. ``cache.lengths`` becomes ``max(lengths, max(slots) + 1)`` over the
+    slots that fit in the cache; callers that commit a tree set lengths explicitly.
+  """
+  validate_forward_args(cfg, tokens, cache, taps, attn_impl)
+  b, t = tokens.shape
+  if positions is None:
+    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+  if slots is None:
+    slots = positions
+  if mask is None:
+    mask = causal_mask(slots, cache.capacity)
+  elif mask.shape != (b, t, cache.capacity):
+    raise ValueError(f'mask must have shape [B, T, S]={(b, t, cache.capacity)}, '
+                     f'got {mask.shape}')
+  model = Qwen3(cfg, cache.dtype, attn_impl)
+  hidden, new_k, new_v, features = model.apply(
+      {'params': params}, tokens, positions, slots, mask, cache.k, cache.v, taps)
+  written = jnp.where(slots < cache.capacity, slots + 1, 0).max(axis=1)
+  lengths = jnp.maximum(cache.lengths, written).astype(jnp.int32)
+  return ForwardOutput(hidden, kv_lib.KVCache(new_k, new_v, lengths), features)
+
+
+def logits(params: dict, hidden: Float[Array, '... D'], *, cfg: Qwen3Config) -> Array:
+  """Applies the LM head (or the tied embedding) to final-normed hidden states."""
+  return Qwen3(cfg, hidden.dtype).apply({'params': params}, hidden, method=Qwen3.logits)
+
+
+def embed(params: dict, tokens: Int[Array, '...'], *, cfg: Qwen3Config) -> Array:
+  """The target's token embedding (the draft head uses it for its block tokens)."""
+  dtype = params['embed_tokens']['embedding'].dtype
+  return Qwen3(cfg, dtype).apply({'params': params}, tokens, method=Qwen3.embed)
+
+
+def validate_forward_args(cfg: Qwen3Config, tokens, cache: kv_lib.KVCache, taps, attn_impl):
+  """Static checks with errors that say what is wrong."""
+  if attn_impl not in ATTN_IMPLS:
+    raise ValueError(f'attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}')
+  if tokens.ndim != 2:
+    raise ValueError(f'token ids must be int[B, T], got shape {tokens.shape}')
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise TypeError(f'token ids must be an integer array, got dtype {tokens.dtype}')
+  if tokens.shape[0] != cache.batch_size:
+    raise ValueError(f'batch {tokens.shape[0]} does not match the cache batch '
+                     f'{cache.batch_size}')
+  if tokens.shape[1] > cache.capacity:
+    raise ValueError(f'{tokens.shape[1]} new tokens exceed the cache capacity '
+                     f'{cache.capacity}')
+  if cache.num_layers != cfg.num_hidden_layers:
+    raise ValueError(f'cache has {cache.num_layers} layers, model has '
+                     f'{cfg.num_hidden_layers}')
+  for layer in taps:
+    if not 0 <= layer < cfg.num_hidden_layers:
+      raise ValueError(f'tap layer {layer} is outside [0, {cfg.num_hidden_layers})')
+
+
+def check_token_ids(token_ids, vocab_size: int) -> None:
+  """Eager value checks on concrete token ids (skipped for tracers)."""
+  if isinstance(token_ids, jax.core.Tracer):
+    return
+  ids = np.asarray(token_ids)
+  if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+    raise ValueError(f'token ids must be in [0, {vocab_size}), got range '
+                     f'[{ids.min()}, {ids.max()}]')
+
+
+# --------------------------------------------------------------------------------------------
+# The target as one object.
+
+
+@flax.struct.dataclass
+class Target:
+  """A frozen target LLM: architecture, parameters and attention implementation.
+
+  A pytree (``cfg`` and ``attn_impl`` are static), so it can be passed into ``jit``.
+  """
+
+  cfg: Qwen3Config = flax.struct.field(pytree_node=False)
+  params: dict
+  attn_impl: str = flax.struct.field(pytree_node=False, default='xla')
+
+  @property
+  def dtype(self):
+    return self.params['embed_tokens']['embedding'].dtype
+
+  def with_attn_impl(self, attn_impl: str) -> 'Target':
+    if attn_impl not in ATTN_IMPLS:
+      raise ValueError(f'attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}')
+    return self.replace(attn_impl=attn_impl)
+
+  def make_cache(self, batch_size: int, capacity: int) -> kv_lib.KVCache:
+    return make_cache(self.cfg, batch_size, capacity, self.dtype)
+
+  def forward(self, tokens, cache, **kwargs) -> ForwardOutput:
+    return forward(self.params, tokens, cache, cfg=self.cfg, attn_impl=self.attn_impl, **kwargs)
+
+  def lm_logits(self, hidden):
+    return logits(self.params, hidden, cfg=self.cfg)
+
+  def embed(self, tokens):
+    return embed(self.params, tokens, cfg=self.cfg)
+
+  def logits(self, token_ids: Int[Array, 'B T']) -> Float[Array, 'B T V']:
+    """Plain causal forward over ``token_ids`` from an empty cache; float32 logits."""
+    token_ids = jnp.asarray(token_ids)
+    check_token_ids(token_ids, self.cfg.vocab_size)
+    if token_ids.ndim != 2:
+      raise ValueError(f'token ids must be int[B, T], got shape {token_ids.shape}; '
+                       'add a batch axis with ids[None]')
+    if not jnp.issubdtype(token_ids.dtype, jnp.integer):
+      raise TypeError(f'token ids must be an integer array, got dtype {token_ids.dtype}')
+    return _full_logits(self, token_ids.astype(jnp.int32))
+
+
+@jax.jit
+def _full_logits(target: Target, token_ids):
+  b, t = token_ids.shape
+  out = target.forward(token_ids, target.make_cache(b, t))
+  return target.lm_logits(out.hidden).astype(jnp.float32)
+
+
+def count_params(params) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
