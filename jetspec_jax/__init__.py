@@ -17,6 +17,17 @@ from jetspec_jax.models.qwen3 import Qwen3Config, Target
 __version__ = '0.1.0'
 
 __all__ = [
-    'CheckpointError', 'GenerateOutput', 'GenerationStats', 'KVCache', 'Qwen3Config', 'Target',
-    'generate', 'hf_io', 'kv_cache', 'load_target', 'qwen3', 'save_target', 'testing',
+  'CheckpointError',
+  'GenerateOutput',
+  'GenerationStats',
+  'KVCache',
+  'Qwen3Config',
+  'Target',
+  'generate',
+  'hf_io',
+  'kv_cache',
+  'load_target',
+  'qwen3',
+  'save_target',
+  'testing',
 ]

@@ -117,17 +117,28 @@ def _prepare_prompt(target: qwen3.Target, prompt_ids, max_new_tokens: int, extra
     raise ValueError(f'{max_new_tokens=} must be >= 1')
   needed = ids.size + max_new_tokens + extra
   if needed > target.cfg.max_position_embeddings:
-    raise ValueError(f'prompt ({ids.size}) + max_new_tokens ({max_new_tokens}) + round '
-                     f'overhang ({extra}) = {needed} exceeds the model context '
-                     f'{target.cfg.max_position_embeddings}')
+    raise ValueError(
+      f'prompt ({ids.size}) + max_new_tokens ({max_new_tokens}) + round '
+      f'overhang ({extra}) = {needed} exceeds the model context '
+      f'{target.cfg.max_position_embeddings}'
+    )
   padded = np.zeros((1, bucket(ids.size)), np.int32)
-  padded[0, :ids.size] = ids
+  padded[0, : ids.size] = ids
   return jnp.asarray(padded), ids.size, bucket(needed)
 
 
-def generate(target: qwen3.Target, head=None, prompt_ids=None, *, max_new_tokens: int = 256,
-             method: str = 'ar', budget: int = 64, width: int = 7, temperature: float = 0.0,
-             seed: int = 0) -> GenerateOutput:
+def generate(
+  target: qwen3.Target,
+  head=None,
+  prompt_ids=None,
+  *,
+  max_new_tokens: int = 256,
+  method: str = 'ar',
+  budget: int = 64,
+  width: int = 7,
+  temperature: float = 0.0,
+  seed: int = 0,
+) -> GenerateOutput:
   """Generates ``max_new_tokens`` tokens (or up to EOS) after ``prompt_ids``.
 
   Args:
@@ -155,12 +166,20 @@ def generate(target: qwen3.Target, head=None, prompt_ids=None, *, max_new_tokens
     raise ValueError(f'{temperature=} must be >= 0')
   prompt, prompt_len, capacity = _prepare_prompt(target, prompt_ids, max_new_tokens)
   start = time.perf_counter()
-  out, n = _ar_loop(target, prompt, jnp.int32(prompt_len), jax.random.key(seed),
-                    capacity=capacity, max_new_tokens=max_new_tokens,
-                    temperature=float(temperature), eos=target.cfg.eos_token_id)
+  out, n = _ar_loop(
+    target,
+    prompt,
+    jnp.int32(prompt_len),
+    jax.random.key(seed),
+    capacity=capacity,
+    max_new_tokens=max_new_tokens,
+    temperature=float(temperature),
+    eos=target.cfg.eos_token_id,
+  )
   out, n = jax.device_get((out, n))
   wall = time.perf_counter() - start
   n = int(n)
-  stats = GenerationStats(tau=1.0, rounds=n - 1, new_tokens=n, wall_s=wall,
-                          acceptance_lengths=np.ones((n - 1,), np.int32))
+  stats = GenerationStats(
+    tau=1.0, rounds=n - 1, new_tokens=n, wall_s=wall, acceptance_lengths=np.ones((n - 1,), np.int32)
+  )
   return GenerateOutput(tokens=np.asarray(out[:n]), stats=stats)

@@ -31,7 +31,7 @@ class KVCache:
 
   k: tuple[Array, ...]
   v: tuple[Array, ...]
-  lengths: Int[Array, 'B']
+  lengths: Int[Array, ' B']
 
   @property
   def batch_size(self) -> int:
@@ -51,16 +51,24 @@ class KVCache:
 
 
 def init_cache(
-    *, num_layers: int, batch_size: int, capacity: int, num_kv_heads: int, head_dim: int,
-    dtype=jnp.float32,
+  *,
+  num_layers: int,
+  batch_size: int,
+  capacity: int,
+  num_kv_heads: int,
+  head_dim: int,
+  dtype=jnp.float32,
 ) -> KVCache:
   """An empty cache (all lengths zero)."""
   if capacity <= 0 or batch_size <= 0:
     raise ValueError(f'cache needs a positive size, got {batch_size=} {capacity=}')
   shape = (batch_size, capacity, num_kv_heads, head_dim)
   zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-  return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-                 lengths=jnp.zeros((batch_size,), jnp.int32))
+  return KVCache(
+    k=zeros,
+    v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+    lengths=jnp.zeros((batch_size,), jnp.int32),
+  )
 
 
 def write_slots(buf: Array, slots: Int[Array, 'B T'], rows: Array) -> Array:
@@ -69,8 +77,9 @@ def write_slots(buf: Array, slots: Int[Array, 'B T'], rows: Array) -> Array:
   return buf.at[batch, slots].set(rows.astype(buf.dtype), mode='drop')
 
 
-def commit_path(cache: KVCache, start: Int[Array, 'B'], path: Int[Array, 'B A'],
-                num_accepted: Int[Array, 'B']) -> KVCache:
+def commit_path(
+  cache: KVCache, start: Int[Array, ' B'], path: Int[Array, 'B A'], num_accepted: Int[Array, ' B']
+) -> KVCache:
   """Moves the accepted tree path into contiguous slots and sets the new lengths.
 
   Tree node ``j`` of sequence ``b`` was written at slot ``start[b] + j``. For ``i <= acc``
@@ -96,8 +105,11 @@ def commit_path(cache: KVCache, start: Int[Array, 'B'], path: Int[Array, 'B A'],
     return buf.at[batch, dst].set(buf[batch, src], mode='drop')
 
   return dataclasses.replace(
-      cache, k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)),
-      lengths=(start + num_accepted + 1).astype(jnp.int32))
+    cache,
+    k=tuple(map(move, cache.k)),
+    v=tuple(map(move, cache.v)),
+    lengths=(start + num_accepted + 1).astype(jnp.int32),
+  )
 
 
 def cache_bytes(cache: KVCache) -> int:

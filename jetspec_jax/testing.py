@@ -7,7 +7,9 @@ import numpy as np
 from jetspec_jax.models import qwen3
 
 
-def tiny_target(seed: int = 0, *, moe: bool = False, dtype=jnp.float32, **overrides) -> qwen3.Target:
+def tiny_target(
+  seed: int = 0, *, moe: bool = False, dtype=jnp.float32, **overrides
+) -> qwen3.Target:
   """A random tiny Qwen3 (or Qwen3-MoE) target; ``overrides`` change config fields."""
   cfg = qwen3.tiny_moe(**overrides) if moe else qwen3.tiny(**overrides)
   params = qwen3.init_params(cfg, jax.random.key(seed), dtype)

@@ -16,19 +16,38 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 TOL = 1e-4
-BASE = dict(vocab_size=257, hidden_size=44, intermediate_size=67, num_hidden_layers=3,
-            num_attention_heads=4, head_dim=14, rope_theta=10000.0,
-            max_position_embeddings=512)
+BASE = dict(
+  vocab_size=257,
+  hidden_size=44,
+  intermediate_size=67,
+  num_hidden_layers=3,
+  num_attention_heads=4,
+  head_dim=14,
+  rope_theta=10000.0,
+  max_position_embeddings=512,
+)
 CASES = {
-    'mha_untied': dict(num_key_value_heads=4, tie_word_embeddings=False),
-    'gqa_untied': dict(num_key_value_heads=2, tie_word_embeddings=False),
-    'mqa_tied': dict(num_key_value_heads=1, tie_word_embeddings=True),
-    'gqa_tied': dict(num_key_value_heads=2, tie_word_embeddings=True),
-    'moe': dict(num_key_value_heads=2, tie_word_embeddings=False, num_experts=5,
-                num_experts_per_tok=2, moe_intermediate_size=23, mlp_only_layers=[1],
-                norm_topk_prob=True),
-    'moe_unnormed': dict(num_key_value_heads=1, tie_word_embeddings=True, num_experts=4,
-                         num_experts_per_tok=3, moe_intermediate_size=19, norm_topk_prob=False),
+  'mha_untied': dict(num_key_value_heads=4, tie_word_embeddings=False),
+  'gqa_untied': dict(num_key_value_heads=2, tie_word_embeddings=False),
+  'mqa_tied': dict(num_key_value_heads=1, tie_word_embeddings=True),
+  'gqa_tied': dict(num_key_value_heads=2, tie_word_embeddings=True),
+  'moe': dict(
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+    num_experts=5,
+    num_experts_per_tok=2,
+    moe_intermediate_size=23,
+    mlp_only_layers=[1],
+    norm_topk_prob=True,
+  ),
+  'moe_unnormed': dict(
+    num_key_value_heads=1,
+    tie_word_embeddings=True,
+    num_experts=4,
+    num_experts_per_tok=3,
+    moe_intermediate_size=19,
+    norm_topk_prob=False,
+  ),
 }
 
 
@@ -124,5 +143,6 @@ def test_sharded_and_fused_expert_layouts(tmp_path):
   assert len(json.loads((out / 'model.safetensors.index.json').read_text())['weight_map'])
   fused = js.load_target(out)
   ids = js.testing.random_ids(4, (1, 9), cfg.vocab_size)
-  np.testing.assert_allclose(np.asarray(fused.logits(ids)), np.asarray(ref.logits(ids)),
-                             atol=1e-6, rtol=0)
+  np.testing.assert_allclose(
+    np.asarray(fused.logits(ids)), np.asarray(ref.logits(ids)), atol=1e-6, rtol=0
+  )

@@ -69,8 +69,10 @@ def config_from_hf(hf: Mapping) -> qwen3.Qwen3Config:
   model_type = hf.get('model_type')
   known = set(SUPPORTED_ARCHITECTURES.values())
   if model_type not in known or (archs and archs[0] not in SUPPORTED_ARCHITECTURES):
-    raise CheckpointError(f'unsupported architecture {archs or model_type!r}; supported: '
-                          f'{sorted(SUPPORTED_ARCHITECTURES)}')
+    raise CheckpointError(
+      f'unsupported architecture {archs or model_type!r}; supported: '
+      f'{sorted(SUPPORTED_ARCHITECTURES)}'
+    )
   if hf.get('attention_bias'):
     raise CheckpointError('attention_bias=True is not supported (Qwen3 has no attention bias)')
   if hf.get('use_sliding_window'):
@@ -81,40 +83,63 @@ def config_from_hf(hf: Mapping) -> qwen3.Qwen3Config:
   eos = hf.get('eos_token_id')
   moe = {}
   if model_type == 'qwen3_moe':
-    moe = dict(num_experts=hf.get('num_experts') or hf['num_local_experts'], num_experts_per_tok=hf['num_experts_per_tok'],
-               moe_intermediate_size=hf['moe_intermediate_size'],
-               norm_topk_prob=bool(hf.get('norm_topk_prob', False)),
-               decoder_sparse_step=hf.get('decoder_sparse_step', 1),
-               mlp_only_layers=tuple(hf.get('mlp_only_layers') or ()))
+    moe = dict(
+      num_experts=hf.get('num_experts') or hf['num_local_experts'],
+      num_experts_per_tok=hf['num_experts_per_tok'],
+      moe_intermediate_size=hf['moe_intermediate_size'],
+      norm_topk_prob=bool(hf.get('norm_topk_prob', False)),
+      decoder_sparse_step=hf.get('decoder_sparse_step', 1),
+      mlp_only_layers=tuple(hf.get('mlp_only_layers') or ()),
+    )
   return qwen3.Qwen3Config(
-      vocab_size=hf['vocab_size'], hidden_size=hf['hidden_size'],
-      intermediate_size=hf['intermediate_size'], num_hidden_layers=hf['num_hidden_layers'],
-      num_attention_heads=heads, num_key_value_heads=hf.get('num_key_value_heads') or heads,
-      head_dim=hf.get('head_dim') or hf['hidden_size'] // heads,
-      rope_theta=rope_theta_from_hf(hf), rms_norm_eps=hf.get('rms_norm_eps', 1e-6),
-      tie_word_embeddings=bool(hf.get('tie_word_embeddings', False)),
-      max_position_embeddings=hf.get('max_position_embeddings', 40960),
-      eos_token_id=eos[0] if isinstance(eos, list) else eos, **moe)
+    vocab_size=hf['vocab_size'],
+    hidden_size=hf['hidden_size'],
+    intermediate_size=hf['intermediate_size'],
+    num_hidden_layers=hf['num_hidden_layers'],
+    num_attention_heads=heads,
+    num_key_value_heads=hf.get('num_key_value_heads') or heads,
+    head_dim=hf.get('head_dim') or hf['hidden_size'] // heads,
+    rope_theta=rope_theta_from_hf(hf),
+    rms_norm_eps=hf.get('rms_norm_eps', 1e-6),
+    tie_word_embeddings=bool(hf.get('tie_word_embeddings', False)),
+    max_position_embeddings=hf.get('max_position_embeddings', 40960),
+    eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    **moe,
+  )
 
 
 def config_to_hf(cfg: qwen3.Qwen3Config, dtype=jnp.float32) -> dict:
   """The Hugging Face ``config.json`` dict for ``cfg``."""
   hf = dict(
-      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-      num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-      head_dim=cfg.head_dim, hidden_act='silu', max_position_embeddings=cfg.max_position_embeddings,
-      rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-      rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
-      tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=False,
-      use_sliding_window=False, dtype=jnp.dtype(dtype).name,
-      eos_token_id=cfg.eos_token_id)
+    vocab_size=cfg.vocab_size,
+    hidden_size=cfg.hidden_size,
+    intermediate_size=cfg.intermediate_size,
+    num_hidden_layers=cfg.num_hidden_layers,
+    num_attention_heads=cfg.num_attention_heads,
+    num_key_value_heads=cfg.num_key_value_heads,
+    head_dim=cfg.head_dim,
+    hidden_act='silu',
+    max_position_embeddings=cfg.max_position_embeddings,
+    rms_norm_eps=cfg.rms_norm_eps,
+    rope_theta=cfg.rope_theta,
+    rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
+    tie_word_embeddings=cfg.tie_word_embeddings,
+    attention_bias=False,
+    use_sliding_window=False,
+    dtype=jnp.dtype(dtype).name,
+    eos_token_id=cfg.eos_token_id,
+  )
   if cfg.is_moe:
-    hf.update(architectures=['Qwen3MoeForCausalLM'], model_type='qwen3_moe',
-              num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-              moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
-              decoder_sparse_step=cfg.decoder_sparse_step,
-              mlp_only_layers=list(cfg.mlp_only_layers))
+    hf.update(
+      architectures=['Qwen3MoeForCausalLM'],
+      model_type='qwen3_moe',
+      num_experts=cfg.num_experts,
+      num_experts_per_tok=cfg.num_experts_per_tok,
+      moe_intermediate_size=cfg.moe_intermediate_size,
+      norm_topk_prob=cfg.norm_topk_prob,
+      decoder_sparse_step=cfg.decoder_sparse_step,
+      mlp_only_layers=list(cfg.mlp_only_layers),
+    )
   else:
     hf.update(architectures=['Qwen3ForCausalLM'], model_type='qwen3')
   return hf
@@ -154,16 +179,19 @@ def read_tensors(path: str | os.PathLike, prefix: str = 'model') -> dict[str, np
   return tensors
 
 
-def write_tensors(tensors: Mapping[str, np.ndarray], path: str | os.PathLike,
-                  prefix: str = 'model', max_shard_bytes: int | None = None) -> None:
+def write_tensors(
+  tensors: Mapping[str, np.ndarray],
+  path: str | os.PathLike,
+  prefix: str = 'model',
+  max_shard_bytes: int | None = None,
+) -> None:
   """Writes tensors as one file, or as shards plus an index when over ``max_shard_bytes``."""
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
   total = sum(v.nbytes for v in tensors.values())
   if max_shard_bytes is None or total <= max_shard_bytes:
-    safetensors.numpy.save_file(tensors, path / f'{prefix}.safetensors',
-                                metadata={'format': 'pt'})
+    safetensors.numpy.save_file(tensors, path / f'{prefix}.safetensors', metadata={'format': 'pt'})
     return
   shards, current, size = [], {}, 0
   for name, value in tensors.items():
@@ -220,8 +248,12 @@ def _rules(cfg: qwen3.Qwen3Config) -> Iterator[_Rule]:
     lp, hp = f'layers_{i}', f'model.layers.{i}'
     for proj, num in (('q_proj', n), ('k_proj', k), ('v_proj', k)):
       yield (lp, 'self_attn', proj, 'kernel'), f'{hp}.self_attn.{proj}.weight', *heads_in(num)
-    yield ((lp, 'self_attn', 'o_proj', 'kernel'), f'{hp}.self_attn.o_proj.weight',
-           lambda x, c: x.T.reshape(n, h, d), lambda x, c: x.reshape(n * h, d).T)
+    yield (
+      (lp, 'self_attn', 'o_proj', 'kernel'),
+      f'{hp}.self_attn.o_proj.weight',
+      lambda x, c: x.T.reshape(n, h, d),
+      lambda x, c: x.reshape(n * h, d).T,
+    )
     for norm in ('q_norm', 'k_norm'):
       yield (lp, 'self_attn', norm, 'scale'), f'{hp}.self_attn.{norm}.weight', _ident, _ident
     for norm in ('input_layernorm', 'post_attention_layernorm'):
@@ -259,8 +291,9 @@ def _expert_leaves(cfg: qwen3.Qwen3Config, tensors: dict[str, np.ndarray], used:
       names = [f'{hp}.{e}.{proj}.weight' for e in range(cfg.num_experts)]
       missing = [name for name in names if name not in tensors]
       if missing:
-        raise CheckpointError(f'missing tensor {missing[0]} ({len(missing)} expert tensors '
-                              'missing in all)')
+        raise CheckpointError(
+          f'missing tensor {missing[0]} ({len(missing)} expert tensors missing in all)'
+        )
       used.update(names)
       yield path + (proj,), np.stack([tensors[name].T for name in names])
 
@@ -277,8 +310,9 @@ def _get(tree: dict, path: tuple[str, ...]):
   return tree
 
 
-def params_from_hf(tensors: dict[str, np.ndarray], cfg: qwen3.Qwen3Config,
-                   dtype=jnp.float32) -> dict:
+def params_from_hf(
+  tensors: dict[str, np.ndarray], cfg: qwen3.Qwen3Config, dtype=jnp.float32
+) -> dict:
   """Maps HF tensors to the Flax parameter pytree, checking names and shapes."""
   expected = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), dtype))
   params, used = {}, set()
@@ -286,21 +320,24 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: qwen3.Qwen3Config,
     if hf_name not in tensors:
       raise CheckpointError(f'missing tensor {hf_name}')
     used.add(hf_name)
-    _set(params, path, _checked(to_flax, tensors[hf_name], cfg, hf_name,
-                                _get(expected, path).shape))
+    _set(
+      params, path, _checked(to_flax, tensors[hf_name], cfg, hf_name, _get(expected, path).shape)
+    )
   for path, value in _expert_leaves(cfg, tensors, used):
     want = _get(expected, path).shape
     if value.shape != want:
-      raise CheckpointError(f'shape mismatch for experts of {".".join(path)}: stacked '
-                            f'{value.shape}, expected {want}')
+      raise CheckpointError(
+        f'shape mismatch for experts of {".".join(path)}: stacked {value.shape}, expected {want}'
+      )
     _set(params, path, value)
   unexpected = sorted(set(tensors) - used)
   if cfg.tie_word_embeddings and 'lm_head.weight' in unexpected:
     # Some tied checkpoints still store the (identical) head; it carries no information.
     unexpected.remove('lm_head.weight')
   if unexpected:
-    raise CheckpointError(f'unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected '
-                          'in all)')
+    raise CheckpointError(
+      f'unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected in all)'
+    )
   return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
 
 
@@ -308,11 +345,13 @@ def _checked(to_flax, value: np.ndarray, cfg, hf_name: str, want: tuple[int, ...
   try:
     out = to_flax(value, cfg)
   except ValueError as e:
-    raise CheckpointError(f'shape mismatch for {hf_name}: got {value.shape}, cannot map to '
-                          f'{want}') from e
+    raise CheckpointError(
+      f'shape mismatch for {hf_name}: got {value.shape}, cannot map to {want}'
+    ) from e
   if out.shape != want:
-    raise CheckpointError(f'shape mismatch for {hf_name}: got {value.shape}, expected a '
-                          f'tensor that maps to {want}')
+    raise CheckpointError(
+      f'shape mismatch for {hf_name}: got {value.shape}, expected a tensor that maps to {want}'
+    )
   return out
 
 
@@ -336,8 +375,9 @@ def params_to_hf(params: dict, cfg: qwen3.Qwen3Config) -> dict[str, np.ndarray]:
 # Public entry points.
 
 
-def load_target(path: str | os.PathLike, *, dtype=jnp.float32,
-                attn_impl: str = 'xla') -> qwen3.Target:
+def load_target(
+  path: str | os.PathLike, *, dtype=jnp.float32, attn_impl: str = 'xla'
+) -> qwen3.Target:
   """Loads a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory as a :class:`Target`.
 
   Args:
@@ -358,12 +398,12 @@ def load_target(path: str | os.PathLike, *, dtype=jnp.float32,
   return qwen3.Target(cfg=cfg, params=params, attn_impl=attn_impl)
 
 
-def save_target(target: qwen3.Target, path: str | os.PathLike, *,
-                max_shard_bytes: int | None = None) -> None:
+def save_target(
+  target: qwen3.Target, path: str | os.PathLike, *, max_shard_bytes: int | None = None
+) -> None:
   """Writes ``target`` as a Hugging Face checkpoint that ``transformers`` loads."""
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   tensors = params_to_hf(jax.device_get(target.params), target.cfg)
   write_tensors(tensors, path, max_shard_bytes=max_shard_bytes)
-  (path / 'config.json').write_text(
-      json.dumps(config_to_hf(target.cfg, target.dtype), indent=2))
+  (path / 'config.json').write_text(json.dumps(config_to_hf(target.cfg, target.dtype), indent=2))

@@ -64,8 +64,9 @@ class Qwen3Config:
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
-      raise ValueError(f'{self.num_attention_heads=} must be a multiple of '
-                       f'{self.num_key_value_heads=}')
+      raise ValueError(
+        f'{self.num_attention_heads=} must be a multiple of {self.num_key_value_heads=}'
+      )
     if self.head_dim % 2:
       raise ValueError(f'{self.head_dim=} must be even for rotary embeddings')
     if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -80,42 +81,74 @@ class Qwen3Config:
     return self.num_attention_heads // self.num_key_value_heads
 
   def is_sparse_layer(self, i: int) -> bool:
-    return (self.is_moe and i not in self.mlp_only_layers
-            and (i + 1) % self.decoder_sparse_step == 0)
+    return self.is_moe and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
 
 def qwen3_0_6b() -> Qwen3Config:
-  return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                     num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                     head_dim=128, tie_word_embeddings=True, eos_token_id=151645)
+  return Qwen3Config(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=True,
+    eos_token_id=151645,
+  )
 
 
 def qwen3_8b() -> Qwen3Config:
-  return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, tie_word_embeddings=False, eos_token_id=151645)
+  return Qwen3Config(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=False,
+    eos_token_id=151645,
+  )
 
 
 def qwen3_30b_a3b() -> Qwen3Config:
-  return Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                     head_dim=128, tie_word_embeddings=False, num_experts=128,
-                     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-                     eos_token_id=151645)
+  return Qwen3Config(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    tie_word_embeddings=False,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+    eos_token_id=151645,
+  )
 
 
 def tiny(**overrides) -> Qwen3Config:
   """A small dense config with odd, prime-ish sizes so shape bugs show (STYLE.md item 3)."""
-  base = dict(vocab_size=257, hidden_size=44, intermediate_size=67, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=14, rope_theta=10_000.0,
-              max_position_embeddings=512)
+  base = dict(
+    vocab_size=257,
+    hidden_size=44,
+    intermediate_size=67,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=14,
+    rope_theta=10_000.0,
+    max_position_embeddings=512,
+  )
   return Qwen3Config(**{**base, **overrides})
 
 
 def tiny_moe(**overrides) -> Qwen3Config:
   """A small Qwen3-MoE config: 5 experts, top-2, one dense layer."""
-  base = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=23,
-              mlp_only_layers=(1,))
+  base = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=23, mlp_only_layers=(1,))
   return tiny(**{**base, **overrides})
 
 
@@ -148,14 +181,18 @@ def rope(x: Float[Array, 'B T N H'], positions: Int[Array, 'B T'], theta: float)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attention_xla(q: Float[Array, 'B T N H'], k: Float[Array, 'B S K H'],
-                  v: Float[Array, 'B S K H'], mask: Bool[Array, 'B T S']) -> Array:
+def attention_xla(
+  q: Float[Array, 'B T N H'],
+  k: Float[Array, 'B S K H'],
+  v: Float[Array, 'B S K H'],
+  mask: Bool[Array, 'B T S'],
+) -> Array:
   """Dense-mask GQA attention with a float32 softmax: the reference path."""
   b, t, n, h = q.shape
   kh = k.shape[2]
   q = q.reshape(b, t, kh, n // kh, h)
   scores = jnp.einsum('BTKGH,BSKH->BKGTS', q, k, preferred_element_type=jnp.float32)
-  scores = scores * (h ** -0.5)
+  scores = scores * (h**-0.5)
   scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum('BKGTS,BSKH->BTKGH', probs, v)
@@ -172,8 +209,9 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x, positions, slots, mask, cache_k, cache_v):
     cfg = self.cfg
-    dense = functools.partial(nn.DenseGeneral, use_bias=False, dtype=self.dtype,
-                              param_dtype=self.dtype)
+    dense = functools.partial(
+      nn.DenseGeneral, use_bias=False, dtype=self.dtype, param_dtype=self.dtype
+    )
     q = dense((cfg.num_attention_heads, cfg.head_dim), name='q_proj')(x)
     k = dense((cfg.num_key_value_heads, cfg.head_dim), name='k_proj')(x)
     v = dense((cfg.num_key_value_heads, cfg.head_dim), name='v_proj')(x)
@@ -212,8 +250,9 @@ class Experts(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: Float[Array, 'T D'], expert_ids: Int[Array, 'T k'],
-               weights: Float[Array, 'T k']) -> Float[Array, 'T D']:
+  def __call__(
+    self, x: Float[Array, 'T D'], expert_ids: Int[Array, 'T k'], weights: Float[Array, 'T k']
+  ) -> Float[Array, 'T D']:
     cfg = self.cfg
     e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -228,7 +267,8 @@ class Experts(nn.Module):
     group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
     rows = x[order // top_k]
     hidden = nn.silu(jax.lax.ragged_dot(rows, w_gate, group_sizes)) * jax.lax.ragged_dot(
-        rows, w_up, group_sizes)
+      rows, w_up, group_sizes
+    )
     out_sorted = jax.lax.ragged_dot(hidden, w_down, group_sizes)
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, top_k, d)
     return jnp.einsum('TkD,Tk->TD', out, weights.astype(out.dtype))
@@ -245,8 +285,9 @@ class SparseMoE(nn.Module):
     cfg = self.cfg
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
-    router_logits = nn.Dense(cfg.num_experts, use_bias=False, dtype=self.dtype,
-                             param_dtype=self.dtype, name='gate')(flat)
+    router_logits = nn.Dense(
+      cfg.num_experts, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name='gate'
+    )(flat)
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     weights, expert_ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
@@ -266,8 +307,13 @@ class DecoderLayer(nn.Module):
   def __call__(self, x, positions, slots, mask, cache_k, cache_v):
     cfg = self.cfg
     h, cache_k, cache_v = Attention(cfg, self.dtype, self.attn_impl, name='self_attn')(
-        RMSNorm(cfg.rms_norm_eps, self.dtype, name='input_layernorm')(x),
-        positions, slots, mask, cache_k, cache_v)
+      RMSNorm(cfg.rms_norm_eps, self.dtype, name='input_layernorm')(x),
+      positions,
+      slots,
+      mask,
+      cache_k,
+      cache_v,
+    )
     x = x + h
     normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name='post_attention_layernorm')(x)
     if cfg.is_sparse_layer(self.layer_idx):
@@ -286,15 +332,21 @@ class Qwen3(nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
-                                 param_dtype=self.dtype,
-                                 embedding_init=nn.initializers.normal(0.02))
-    self.layers = [DecoderLayer(cfg, i, self.dtype, self.attn_impl)
-                   for i in range(cfg.num_hidden_layers)]
+    self.embed_tokens = nn.Embed(
+      cfg.vocab_size,
+      cfg.hidden_size,
+      dtype=self.dtype,
+      param_dtype=self.dtype,
+      embedding_init=nn.initializers.normal(0.02),
+    )
+    self.layers = [
+      DecoderLayer(cfg, i, self.dtype, self.attn_impl) for i in range(cfg.num_hidden_layers)
+    ]
     self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
     if not cfg.tie_word_embeddings:
-      self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
-                              param_dtype=self.dtype)
+      self.lm_head = nn.Dense(
+        cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype
+      )
 
   def __call__(self, tokens, positions, slots, mask, cache_k, cache_v, taps=()):
     x = self.embed_tokens(tokens)
@@ -340,12 +392,18 @@ class ForwardOutput(NamedTuple):
   taps: Array | None
 
 
-def make_cache(cfg: Qwen3Config, batch_size: int, capacity: int,
-               dtype=jnp.float32) -> kv_lib.KVCache:
+def make_cache(
+  cfg: Qwen3Config, batch_size: int, capacity: int, dtype=jnp.float32
+) -> kv_lib.KVCache:
   """An empty KV cache for ``cfg`` at a static ``capacity``."""
-  return kv_lib.init_cache(num_layers=cfg.num_hidden_layers, batch_size=batch_size,
-                           capacity=capacity, num_kv_heads=cfg.num_key_value_heads,
-                           head_dim=cfg.head_dim, dtype=dtype)
+  return kv_lib.init_cache(
+    num_layers=cfg.num_hidden_layers,
+    batch_size=batch_size,
+    capacity=capacity,
+    num_kv_heads=cfg.num_key_value_heads,
+    head_dim=cfg.head_dim,
+    dtype=dtype,
+  )
 
 
 def init_params(cfg: Qwen3Config, key, dtype=jnp.float32) -> dict:
@@ -354,8 +412,7 @@ def init_params(cfg: Qwen3Config, key, dtype=jnp.float32) -> dict:
   tokens = jnp.zeros((1, 1), jnp.int32)
   cache = make_cache(cfg, 1, 1, dtype)
   mask = jnp.ones((1, 1, 1), bool)
-  variables = model.init(key, tokens, tokens, tokens, mask, cache.k, cache.v,
-                         method=Qwen3.init_all)
+  variables = model.init(key, tokens, tokens, tokens, mask, cache.k, cache.v, method=Qwen3.init_all)
   return variables['params']
 
 
@@ -365,16 +422,16 @@ def causal_mask(slots: Int[Array, 'B T'], capacity: int) -> Bool[Array, 'B T S']
 
 
 def forward(
-    params: dict,
-    tokens: Int[Array, 'B T'],
-    cache: kv_lib.KVCache,
-    *,
-    cfg: Qwen3Config,
-    positions: Int[Array, 'B T'] | None = None,
-    slots: Int[Array, 'B T'] | None = None,
-    mask: Bool[Array, 'B T S'] | None = None,
-    taps: tuple[int, ...] = (),
-    attn_impl: str = 'xla',
+  params: dict,
+  tokens: Int[Array, 'B T'],
+  cache: kv_lib.KVCache,
+  *,
+  cfg: Qwen3Config,
+  positions: Int[Array, 'B T'] | None = None,
+  slots: Int[Array, 'B T'] | None = None,
+  mask: Bool[Array, 'B T S'] | None = None,
+  taps: tuple[int, ...] = (),
+  attn_impl: str = 'xla',
 ) -> ForwardOutput:
   """One target forward in prefill, decode or masked mode (see module docstring).
 
@@ -404,11 +461,11 @@ def forward(
   if mask is None:
     mask = causal_mask(slots, cache.capacity)
   elif mask.shape != (b, t, cache.capacity):
-    raise ValueError(f'mask must have shape [B, T, S]={(b, t, cache.capacity)}, '
-                     f'got {mask.shape}')
+    raise ValueError(f'mask must have shape [B, T, S]={(b, t, cache.capacity)}, got {mask.shape}')
   model = Qwen3(cfg, cache.dtype, attn_impl)
   hidden, new_k, new_v, features = model.apply(
-      {'params': params}, tokens, positions, slots, mask, cache.k, cache.v, taps)
+    {'params': params}, tokens, positions, slots, mask, cache.k, cache.v, taps
+  )
   written = jnp.where(slots < cache.capacity, slots + 1, 0).max(axis=1)
   lengths = jnp.maximum(cache.lengths, written).astype(jnp.int32)
   return ForwardOutput(hidden, kv_lib.KVCache(new_k, new_v, lengths), features)
@@ -434,14 +491,11 @@ def validate_forward_args(cfg: Qwen3Config, tokens, cache: kv_lib.KVCache, taps,
   if not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise TypeError(f'token ids must be an integer array, got dtype {tokens.dtype}')
   if tokens.shape[0] != cache.batch_size:
-    raise ValueError(f'batch {tokens.shape[0]} does not match the cache batch '
-                     f'{cache.batch_size}')
+    raise ValueError(f'batch {tokens.shape[0]} does not match the cache batch {cache.batch_size}')
   if tokens.shape[1] > cache.capacity:
-    raise ValueError(f'{tokens.shape[1]} new tokens exceed the cache capacity '
-                     f'{cache.capacity}')
+    raise ValueError(f'{tokens.shape[1]} new tokens exceed the cache capacity {cache.capacity}')
   if cache.num_layers != cfg.num_hidden_layers:
-    raise ValueError(f'cache has {cache.num_layers} layers, model has '
-                     f'{cfg.num_hidden_layers}')
+    raise ValueError(f'cache has {cache.num_layers} layers, model has {cfg.num_hidden_layers}')
   for layer in taps:
     if not 0 <= layer < cfg.num_hidden_layers:
       raise ValueError(f'tap layer {layer} is outside [0, {cfg.num_hidden_layers})')
@@ -453,8 +507,9 @@ def check_token_ids(token_ids, vocab_size: int) -> None:
     return
   ids = np.asarray(token_ids)
   if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-    raise ValueError(f'token ids must be in [0, {vocab_size}), got range '
-                     f'[{ids.min()}, {ids.max()}]')
+    raise ValueError(
+      f'token ids must be in [0, {vocab_size}), got range [{ids.min()}, {ids.max()}]'
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -498,8 +553,9 @@ class Target:
     token_ids = jnp.asarray(token_ids)
     check_token_ids(token_ids, self.cfg.vocab_size)
     if token_ids.ndim != 2:
-      raise ValueError(f'token ids must be int[B, T], got shape {token_ids.shape}; '
-                       'add a batch axis with ids[None]')
+      raise ValueError(
+        f'token ids must be int[B, T], got shape {token_ids.shape}; add a batch axis with ids[None]'
+      )
     if not jnp.issubdtype(token_ids.dtype, jnp.integer):
       raise TypeError(f'token ids must be an integer array, got dtype {token_ids.dtype}')
     return _full_logits(self, token_ids.astype(jnp.int32))

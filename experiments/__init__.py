@@ -1,0 +1,1 @@
+"""absl experiment binaries; run as ``python -m experiments.<binary> --config=...``."""
