@@ -4,30 +4,47 @@ The public API (DESIGN.md §4)::
 
   import jetspec_jax as js
   target = js.load_target(path)
-  out = js.generate(target, head, prompt_ids, max_new_tokens=256, method='ar')
+  head = js.load_draft_head(head_path, target)
+  out = js.generate(target, head, prompt_ids, max_new_tokens=256, method='tree')
 """
 
-from jetspec_jax import kv_cache, testing
+from jetspec_jax import kv_cache, testing, tree, verify
 from jetspec_jax.decoding import GenerateOutput, GenerationStats, generate
 from jetspec_jax.kv_cache import KVCache
-from jetspec_jax.models import hf_io, qwen3
-from jetspec_jax.models.hf_io import CheckpointError, load_target, save_target
+from jetspec_jax.models import draft_head, hf_io, qwen3
+from jetspec_jax.models.draft_head import DraftHead, DraftHeadConfig
+from jetspec_jax.models.hf_io import (
+  CheckpointError,
+  load_draft_head,
+  load_target,
+  save_draft_head,
+  save_target,
+)
 from jetspec_jax.models.qwen3 import Qwen3Config, Target
+from jetspec_jax.tree import Tree
 
 __version__ = '0.1.0'
 
 __all__ = [
   'CheckpointError',
+  'DraftHead',
+  'DraftHeadConfig',
   'GenerateOutput',
   'GenerationStats',
   'KVCache',
   'Qwen3Config',
   'Target',
+  'Tree',
+  'draft_head',
   'generate',
   'hf_io',
   'kv_cache',
+  'load_draft_head',
   'load_target',
   'qwen3',
+  'save_draft_head',
   'save_target',
   'testing',
+  'tree',
+  'verify',
 ]

@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax import tree as tree_lib
+from jetspec_jax import verify as verify_lib
+from jetspec_jax.models import draft_head as draft_head_lib
 from jetspec_jax.models import qwen3
 
 METHODS = ('ar', 'chain', 'tree')
@@ -24,40 +27,37 @@ class GenerationStats:
   """Statistics of one ``generate`` call (DESIGN.md §6).
 
   Attributes:
-    tau: mean tokens committed per target forward after prefill (1.0 for AR).
+    tau: ``int32[rounds]`` tokens committed per target forward after prefill (bonus included;
+      all ones for AR).
     rounds: target forwards after prefill (decode steps or verify rounds).
-    new_tokens: tokens generated (the prefill's first token included).
+    new_tokens: tokens returned (the prefill's first token included).
     wall_s: wall time of the call, device work included.
-    acceptance_lengths: tokens committed per round, ``[rounds]``.
   """
 
-  tau: float
+  tau: np.ndarray
   rounds: int
   new_tokens: int
   wall_s: float
-  acceptance_lengths: np.ndarray
 
   @property
-  def tokens_per_s(self) -> float:
+  def mean_tau(self) -> float:
+    return float(np.mean(self.tau)) if self.rounds else float('nan')
+
+  @property
+  def tps(self) -> float:
+    """Generated tokens per wall second (batch 1)."""
     return self.new_tokens / self.wall_s if self.wall_s > 0 else float('nan')
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerateOutput:
-  tokens: np.ndarray  # int32[new_tokens]: generated tokens, EOS included if reached
+  tokens: np.ndarray  # int32[n]: generated tokens only, n <= max_new_tokens, EOS last if produced
   stats: GenerationStats
 
 
 def bucket(n: int, minimum: int = 16) -> int:
   """The smallest power of two >= max(n, minimum)."""
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
-
-
-def sample_token(logits, key, temperature: float):
-  """Greedy (``temperature == 0``) or temperature sampling from ``logits[..., V]``."""
-  if temperature == 0.0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(key, logits.astype(jnp.float32) / temperature).astype(jnp.int32)
 
 
 def prefill(target: qwen3.Target, prompt, prompt_len, capacity: int, taps=()):
@@ -78,30 +78,133 @@ def prefill(target: qwen3.Target, prompt, prompt_len, capacity: int, taps=()):
   return out.cache, target.lm_logits(last).astype(jnp.float32), out.taps
 
 
-@functools.partial(jax.jit, static_argnames=('capacity', 'max_new_tokens', 'temperature', 'eos'))
-def _ar_loop(target, prompt, prompt_len, key, *, capacity, max_new_tokens, temperature, eos):
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """Static sampling settings (``temperature == 0`` is greedy)."""
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  eos: int | None = None
+
+  def sample(self, logits, key):
+    return verify_lib.sample_tokens(logits, key, self.temperature, self.top_k, self.top_p)
+
+  def is_eos(self, tokens):
+    return jnp.zeros(tokens.shape, bool) if self.eos is None else tokens == self.eos
+
+
+@functools.partial(jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling'))
+def ar_loop(target, prompt, prompt_len, key, *, capacity, max_new_tokens, sampling: Sampling):
+  """Autoregressive decoding on device. Returns (tokens ``[max_new_tokens]``, count)."""
   cache, last_logits, _ = prefill(target, prompt, prompt_len, capacity)
   key, sub = jax.random.split(key)
-  first = sample_token(last_logits[0], sub, temperature)
+  first = sampling.sample(last_logits[0], sub)
   out = jnp.zeros((max_new_tokens,), jnp.int32).at[0].set(first)
-
-  def done(tok):
-    return jnp.asarray(False) if eos is None else tok == eos
 
   def cond(state):
     i, tok, *_ = state
-    return (i < max_new_tokens) & ~done(tok)
+    return (i < max_new_tokens) & ~sampling.is_eos(tok)
 
   def body(state):
     i, tok, cache, out, key = state
     fwd = target.forward(tok[None, None], cache)
     logits = target.lm_logits(fwd.hidden[0, 0]).astype(jnp.float32)
     key, sub = jax.random.split(key)
-    nxt = sample_token(logits, sub, temperature)
+    nxt = sampling.sample(logits, sub)
     return i + 1, nxt, fwd.cache, out.at[i].set(nxt), key
 
   n, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), first, cache, out, key))
   return out, n
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSettings:
+  """Static tree shape: ``budget`` nodes (root included), ``width`` candidates per depth."""
+
+  budget: int
+  width: int
+  algorithm: str = 'accum_logp'
+
+
+def speculative_round(target, head, state, sampling: Sampling, tree_settings: TreeSettings):
+  """One JetSpec round: draft -> tree -> verify -> accept -> commit (DESIGN.md §5).
+
+  ``state`` holds the target cache (committed length ``P``), the head's context cache, the
+  features of last round's accepted path not yet in the head's cache (``pending``), the anchor
+  (committed token ``P``) and a PRNG key. Returns the new state and the committed tokens
+  (``[block_size]``, the first ``acc + 1`` valid: accepted drafts then the bonus).
+  """
+  cache, dcache, pending, num_pending, anchor, key = state
+  max_depth = head.cfg.max_depth
+  dcache = head.extend_context(dcache, pending, num_pending)
+  draft_logits = head.propose_cached(dcache, anchor)  # [B, D, V]
+  ids, logprobs = tree_lib.topk_per_depth(draft_logits, tree_settings.width)
+  builder = functools.partial(
+    tree_lib.TREE_BUILDERS[tree_settings.algorithm], budget=tree_settings.budget
+  )
+  tree = jax.vmap(lambda i, lp, a: builder(i, lp, anchor=a))(ids, logprobs, anchor)
+  anc = jax.vmap(lambda p: tree_lib.ancestor_mask(p, max_depth))(tree.parents)
+  verified = verify_lib.verify_tree(target, cache, tree, anc, head.cfg.target_layer_ids)
+  key, sub = jax.random.split(key)
+  choices = sampling.sample(verified.logits, sub)  # [B, M]
+  accepted = verify_lib.accept(tree, anc, choices, max_depth)
+  cache = verify_lib.commit(verified.cache, cache.lengths, accepted)
+  pending = verify_lib.gather_path(verified.features, accepted.path)
+  path_tokens = jnp.take_along_axis(tree.tokens, accepted.path, axis=1)  # [B, D+1], root first
+  committed = jnp.concatenate([path_tokens[:, 1:], jnp.zeros_like(anchor)[:, None]], axis=1)
+  committed = committed.at[jnp.arange(anchor.shape[0]), accepted.num_accepted].set(accepted.bonus)
+  new_state = (cache, dcache, pending, accepted.num_accepted + 1, accepted.bonus, key)
+  return new_state, committed, accepted.num_accepted + 1
+
+
+@functools.partial(
+  jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling', 'tree_settings')
+)
+def speculative_loop(
+  target,
+  head,
+  prompt,
+  prompt_len,
+  key,
+  *,
+  capacity: int,
+  max_new_tokens: int,
+  sampling: Sampling,
+  tree_settings: TreeSettings,
+):
+  """Speculative decoding on device: prefill, then rounds in ``lax.while_loop``.
+
+  Returns (tokens ``[max_new_tokens + block_size]``, count, tau per round ``[max_new_tokens]``,
+  rounds). Tokens past ``count`` are scratch.
+  """
+  bs = head.cfg.block_size
+  cache, last_logits, features = prefill(
+    target, prompt, prompt_len, capacity, taps=head.cfg.target_layer_ids
+  )
+  dcache = head.extend_context(head.make_cache(1, capacity), features, prompt_len[None])
+  key, sub = jax.random.split(key)
+  anchor = sampling.sample(last_logits, sub)  # [1]
+  out = jnp.zeros((max_new_tokens + bs,), jnp.int32).at[0].set(anchor[0])
+  taus = jnp.zeros((max_new_tokens,), jnp.int32)
+  pending = jnp.zeros((1, bs, features.shape[-1]), features.dtype)
+  state = (cache, dcache, pending, jnp.zeros((1,), jnp.int32), anchor, key)
+
+  def cond(carry):
+    n, _, done, *_ = carry
+    return (n < max_new_tokens) & ~done
+
+  def body(carry):
+    n, rounds, _, out, taus, state = carry
+    state, committed, tau = speculative_round(target, head, state, sampling, tree_settings)
+    committed, tau = committed[0], tau[0]
+    out = jax.lax.dynamic_update_slice(out, committed, (n,))
+    done = jnp.any(sampling.is_eos(committed) & (jnp.arange(bs) < tau))
+    return n + tau, rounds + 1, done, out, taus.at[rounds].set(tau), state
+
+  init = (jnp.int32(1), jnp.int32(0), sampling.is_eos(anchor[0]), out, taus, state)
+  n, rounds, _, out, taus, _ = jax.lax.while_loop(cond, body, init)
+  return out, n, taus, rounds
 
 
 def _prepare_prompt(target: qwen3.Target, prompt_ids, max_new_tokens: int, extra: int = 0):
@@ -118,68 +221,130 @@ def _prepare_prompt(target: qwen3.Target, prompt_ids, max_new_tokens: int, extra
   needed = ids.size + max_new_tokens + extra
   if needed > target.cfg.max_position_embeddings:
     raise ValueError(
-      f'prompt ({ids.size}) + max_new_tokens ({max_new_tokens}) + round '
-      f'overhang ({extra}) = {needed} exceeds the model context '
-      f'{target.cfg.max_position_embeddings}'
+      f'prompt ({ids.size}) + max_new_tokens ({max_new_tokens}) + round overhang ({extra}) = '
+      f'{needed} exceeds the model context {target.cfg.max_position_embeddings}'
     )
   padded = np.zeros((1, bucket(ids.size)), np.int32)
   padded[0, : ids.size] = ids
-  return jnp.asarray(padded), ids.size, bucket(needed)
+  return jnp.asarray(padded), jnp.int32(ids.size), bucket(needed)
+
+
+def _truncate(tokens: np.ndarray, n: int, max_new_tokens: int, eos: int | None) -> np.ndarray:
+  tokens = np.asarray(tokens[: min(n, max_new_tokens)])
+  if eos is not None:
+    hits = np.flatnonzero(tokens == eos)
+    if hits.size:
+      tokens = tokens[: hits[0] + 1]
+  return tokens
 
 
 def generate(
   target: qwen3.Target,
-  head=None,
+  head: draft_head_lib.DraftHead | None = None,
   prompt_ids=None,
   *,
   max_new_tokens: int = 256,
-  method: str = 'ar',
+  method: str = 'tree',
   budget: int = 64,
   width: int = 7,
   temperature: float = 0.0,
+  top_p: float = 1.0,
+  top_k: int = 0,
   seed: int = 0,
+  eos_id: int | None = None,
+  tree_algorithm: str = 'accum_logp',
 ) -> GenerateOutput:
-  """Generates ``max_new_tokens`` tokens (or up to EOS) after ``prompt_ids``.
+  """Generates up to ``max_new_tokens`` tokens after ``prompt_ids``, on device.
 
   Args:
     target: the target model.
-    head: the draft head (``None`` for ``method='ar'``).
+    head: the draft head (may be None for ``method='ar'``); it must fit the target.
     prompt_ids: 1-D token ids.
-    max_new_tokens: tokens to generate, EOS included.
-    method: ``'ar'`` (autoregressive), ``'chain'`` or ``'tree'``.
+    max_new_tokens: most tokens to return (EOS included).
+    method: ``'ar'`` (autoregressive), ``'chain'`` (the head's top-1 block verified as a chain,
+      the DFlash baseline) or ``'tree'`` (JetSpec).
     budget: tree nodes per round, root included (``'tree'``).
     width: candidates per depth (``'tree'``).
-    temperature: 0 for greedy.
-    seed: PRNG seed for sampling.
+    temperature: 0 for greedy; otherwise sample-and-match acceptance (exact).
+    top_p: nucleus filtering of the target's distribution when sampling.
+    top_k: top-k filtering of the target's distribution when sampling (0: off).
+    seed: PRNG seed.
+    eos_id: stop token; defaults to the target config's ``eos_token_id``.
+    tree_algorithm: ``'accum_logp'`` or ``'top2gap'``.
 
   Returns:
-    A :class:`GenerateOutput` with the new tokens and :class:`GenerationStats`.
+    A :class:`GenerateOutput`: the generated tokens (no prompt) and :class:`GenerationStats`.
   """
-  del budget, width  # Used by the speculative methods.
   if method not in METHODS:
     raise ValueError(f'method must be one of {METHODS}, got {method!r}')
-  if method != 'ar':
-    raise NotImplementedError(f'method={method!r} needs the draft head (not built yet)')
-  if head is not None:
-    raise ValueError("method='ar' takes no draft head")
   if temperature < 0:
     raise ValueError(f'{temperature=} must be >= 0')
-  prompt, prompt_len, capacity = _prepare_prompt(target, prompt_ids, max_new_tokens)
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f'{top_p=} must be in (0, 1]')
+  if top_k < 0 or top_k > target.cfg.vocab_size:
+    raise ValueError(f'{top_k=} must be in [0, vocab_size={target.cfg.vocab_size}]')
+  eos = target.cfg.eos_token_id if eos_id is None else int(eos_id)
+  sampling = Sampling(float(temperature), int(top_k), float(top_p), eos)
+  key = jax.random.key(seed)
+  if method == 'ar':
+    prompt, prompt_len, capacity = _prepare_prompt(target, prompt_ids, max_new_tokens)
+    start = time.perf_counter()
+    out, n = ar_loop(
+      target,
+      prompt,
+      prompt_len,
+      key,
+      capacity=capacity,
+      max_new_tokens=max_new_tokens,
+      sampling=sampling,
+    )
+    out, n = jax.device_get((out, n))
+    wall = time.perf_counter() - start
+    tokens = _truncate(out, int(n), max_new_tokens, eos)
+    stats = GenerationStats(
+      tau=np.ones((len(tokens) - 1,), np.int32),
+      rounds=len(tokens) - 1,
+      new_tokens=len(tokens),
+      wall_s=wall,
+    )
+    return GenerateOutput(tokens=tokens, stats=stats)
+
+  if head is None:
+    raise ValueError(f'method={method!r} needs a draft head')
+  draft_head_lib.check_fits_target(head.cfg, target.cfg)
+  head = head.replace(target=target)  # the head drafts with this target's embedding and head
+  bs = head.cfg.block_size
+  if method == 'chain':
+    tree_settings = TreeSettings(budget=bs, width=1)
+  else:
+    if budget < 1:
+      raise ValueError(f'{budget=} must be >= 1 (it counts the root)')
+    if not 1 <= width <= target.cfg.vocab_size:
+      raise ValueError(f'{width=} must be in [1, vocab_size={target.cfg.vocab_size}]')
+    if tree_algorithm not in tree_lib.TREE_BUILDERS:
+      raise ValueError(
+        f'tree_algorithm must be one of {sorted(tree_lib.TREE_BUILDERS)}, got {tree_algorithm!r}'
+      )
+    tree_settings = TreeSettings(budget=int(budget), width=int(width), algorithm=tree_algorithm)
+  prompt, prompt_len, capacity = _prepare_prompt(
+    target, prompt_ids, max_new_tokens, extra=tree_settings.budget + bs
+  )
   start = time.perf_counter()
-  out, n = _ar_loop(
+  out, n, taus, rounds = speculative_loop(
     target,
+    head,
     prompt,
-    jnp.int32(prompt_len),
-    jax.random.key(seed),
+    prompt_len,
+    key,
     capacity=capacity,
     max_new_tokens=max_new_tokens,
-    temperature=float(temperature),
-    eos=target.cfg.eos_token_id,
+    sampling=sampling,
+    tree_settings=tree_settings,
   )
-  out, n = jax.device_get((out, n))
+  out, n, taus, rounds = jax.device_get((out, n, taus, rounds))
   wall = time.perf_counter() - start
-  n = int(n)
+  tokens = _truncate(out, int(n), max_new_tokens, eos)
   stats = GenerationStats(
-    tau=1.0, rounds=n - 1, new_tokens=n, wall_s=wall, acceptance_lengths=np.ones((n - 1,), np.int32)
+    tau=np.asarray(taus[: int(rounds)]), rounds=int(rounds), new_tokens=len(tokens), wall_s=wall
   )
-  return GenerateOutput(tokens=np.asarray(out[:n]), stats=stats)
+  return GenerateOutput(tokens=tokens, stats=stats)

@@ -19,3 +19,54 @@ def tiny_target(
 def random_ids(seed: int, shape, vocab_size: int) -> np.ndarray:
   """Deterministic random token ids ``int32[shape]``."""
   return np.random.default_rng(seed).integers(0, vocab_size, size=shape, dtype=np.int32)
+
+
+def random_draft_head(
+  target: qwen3.Target,
+  *,
+  block_size: int = 8,
+  causal: bool = True,
+  seed: int = 0,
+  num_layers: int = 2,
+  **kwargs,
+):
+  """A random draft head that fits ``target`` (see :func:`draft_head.random_draft_head`)."""
+  from jetspec_jax.models import draft_head
+
+  return draft_head.random_draft_head(
+    target, block_size=block_size, causal=causal, seed=seed, num_layers=num_layers, **kwargs
+  )
+
+
+def random_tree(
+  seed: int, num_nodes: int, *, kind: str = 'random', vocab_size: int = 257, size: int | None = None
+):
+  """A tree in topological order for tests: ``'random'``, ``'chain'`` or ``'star'``.
+
+  ``size`` (>= ``num_nodes``) pads the arrays like a budgeted tree.
+  """
+  from jetspec_jax import tree as tree_lib
+
+  rng = np.random.default_rng(seed)
+  size = num_nodes if size is None else size
+  if kind == 'chain':
+    parents = np.arange(num_nodes) - 1
+  elif kind == 'star':
+    parents = np.where(np.arange(num_nodes) == 0, -1, 0)
+  elif kind == 'random':
+    parents = np.array([-1] + [rng.integers(0, i) for i in range(1, num_nodes)])
+  else:
+    raise ValueError(f"kind must be 'random', 'chain' or 'star', got {kind!r}")
+  depths = np.zeros(num_nodes, np.int32)
+  for i in range(1, num_nodes):
+    depths[i] = depths[parents[i]] + 1
+  pad = size - num_nodes
+  return tree_lib.Tree(
+    tokens=jnp.asarray(np.pad(rng.integers(0, vocab_size, num_nodes), (0, pad)), jnp.int32),
+    parents=jnp.asarray(np.pad(parents, (0, pad), constant_values=-1), jnp.int32),
+    depths=jnp.asarray(np.pad(depths, (0, pad)), jnp.int32),
+    scores=jnp.asarray(
+      np.pad(-np.arange(num_nodes, dtype=np.float32), (0, pad), constant_values=-np.inf)
+    ),
+    num_nodes=jnp.int32(num_nodes),
+  )

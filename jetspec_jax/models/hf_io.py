@@ -27,7 +27,6 @@ Experts are also accepted in the fused layout (``mlp.experts.gate_up_proj [E, 2f
 import json
 import os
 import pathlib
-import re
 from collections.abc import Callable, Iterator, Mapping
 
 import jax
@@ -36,7 +35,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from jetspec_jax.models import qwen3
+from jetspec_jax.models import draft_head, qwen3
 
 SUPPORTED_ARCHITECTURES = {'Qwen3ForCausalLM': 'qwen3', 'Qwen3MoeForCausalLM': 'qwen3_moe'}
 SINGLE_FILE = 'model.safetensors'
@@ -225,51 +224,71 @@ def read_config(path: pathlib.Path) -> dict:
 # --------------------------------------------------------------------------------------------
 # Name mapping.
 
-# One entry per Flax leaf: (flax path, HF name, to_flax(hf_array, cfg), to_hf(flax_array, cfg)).
+# One entry per Flax leaf: (flax path, HF name, to_flax(hf_array), to_hf(flax_array)).
 _Rule = tuple[tuple[str, ...], str, Callable, Callable]
 
 
-def _t(x, cfg):
+def _t(x):
   return x.T
 
 
-def _ident(x, cfg):
+def _ident(x):
   return x
 
 
-def _rules(cfg: qwen3.Qwen3Config) -> Iterator[_Rule]:
-  n, k, h, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+def _layer_rules(lp: str, hp: str, attn: tuple[str, ...], n: int, k: int, h: int, d: int):
+  """Attention projections, q/k norms and the two layer norms of one decoder layer.
 
-  def heads_in(num):  # [num*H, D] -> [D, num, H]
-    return (lambda x, c: x.T.reshape(d, num, h), lambda x, c: x.reshape(d, num * h).T)
+  ``lp``/``hp`` are the Flax / HF layer prefixes; ``attn`` is the Flax sub-path of the attention
+  parameters (``('self_attn',)`` in the target, ``()`` in the draft head).
+  """
 
+  def heads_in(num):  # [num*H, D] <-> [D, num, H]
+    return (lambda x: x.T.reshape(d, num, h), lambda x: x.reshape(d, num * h).T)
+
+  for proj, num in (('q_proj', n), ('k_proj', k), ('v_proj', k)):
+    yield (lp, *attn, proj, 'kernel'), f'{hp}.self_attn.{proj}.weight', *heads_in(num)
+  yield (
+    (lp, *attn, 'o_proj', 'kernel'),
+    f'{hp}.self_attn.o_proj.weight',
+    lambda x: x.T.reshape(n, h, d),
+    lambda x: x.reshape(n * h, d).T,
+  )
+  for norm in ('q_norm', 'k_norm'):
+    yield (lp, *attn, norm, 'scale'), f'{hp}.self_attn.{norm}.weight', _ident, _ident
+  for norm in ('input_layernorm', 'post_attention_layernorm'):
+    yield (lp, norm, 'scale'), f'{hp}.{norm}.weight', _ident, _ident
+
+
+def _mlp_rules(lp: str, hp: str):
+  for proj in ('gate_proj', 'up_proj', 'down_proj'):
+    yield (lp, 'mlp', proj, 'kernel'), f'{hp}.mlp.{proj}.weight', _t, _t
+
+
+def _target_rules(cfg: qwen3.Qwen3Config) -> Iterator[_Rule]:
+  dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size)
   yield ('embed_tokens', 'embedding'), 'model.embed_tokens.weight', _ident, _ident
   for i in range(cfg.num_hidden_layers):
     lp, hp = f'layers_{i}', f'model.layers.{i}'
-    for proj, num in (('q_proj', n), ('k_proj', k), ('v_proj', k)):
-      yield (lp, 'self_attn', proj, 'kernel'), f'{hp}.self_attn.{proj}.weight', *heads_in(num)
-    yield (
-      (lp, 'self_attn', 'o_proj', 'kernel'),
-      f'{hp}.self_attn.o_proj.weight',
-      lambda x, c: x.T.reshape(n, h, d),
-      lambda x, c: x.reshape(n * h, d).T,
-    )
-    for norm in ('q_norm', 'k_norm'):
-      yield (lp, 'self_attn', norm, 'scale'), f'{hp}.self_attn.{norm}.weight', _ident, _ident
-    for norm in ('input_layernorm', 'post_attention_layernorm'):
-      yield (lp, norm, 'scale'), f'{hp}.{norm}.weight', _ident, _ident
+    yield from _layer_rules(lp, hp, ('self_attn',), *dims)
     if cfg.is_sparse_layer(i):
+      # The router; experts are many HF tensors per Flax leaf (see _expert_leaves).
       yield (lp, 'mlp', 'gate', 'kernel'), f'{hp}.mlp.gate.weight', _t, _t
-      # Experts are handled by _expert_tensors / _split_experts (one leaf, many HF tensors).
     else:
-      for proj in ('gate_proj', 'up_proj', 'down_proj'):
-        yield (lp, 'mlp', proj, 'kernel'), f'{hp}.mlp.{proj}.weight', _t, _t
+      yield from _mlp_rules(lp, hp)
   yield ('norm', 'scale'), 'model.norm.weight', _ident, _ident
   if not cfg.tie_word_embeddings:
     yield ('lm_head', 'kernel'), 'lm_head.weight', _t, _t
 
 
-_EXPERT_RE = re.compile(r'model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight')
+def _head_rules(cfg: draft_head.DraftHeadConfig) -> Iterator[_Rule]:
+  dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size)
+  yield ('fc', 'kernel'), 'fc.weight', _t, _t
+  yield ('hidden_norm', 'scale'), 'hidden_norm.weight', _ident, _ident
+  for i in range(cfg.num_hidden_layers):
+    yield from _layer_rules(f'layers_{i}', f'layers.{i}', (), *dims)
+    yield from _mlp_rules(f'layers_{i}', f'layers.{i}')
+  yield ('norm', 'scale'), 'norm.weight', _ident, _ident
 
 
 def _expert_leaves(cfg: qwen3.Qwen3Config, tensors: dict[str, np.ndarray], used: set[str]):
@@ -310,40 +329,9 @@ def _get(tree: dict, path: tuple[str, ...]):
   return tree
 
 
-def params_from_hf(
-  tensors: dict[str, np.ndarray], cfg: qwen3.Qwen3Config, dtype=jnp.float32
-) -> dict:
-  """Maps HF tensors to the Flax parameter pytree, checking names and shapes."""
-  expected = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), dtype))
-  params, used = {}, set()
-  for path, hf_name, to_flax, _ in _rules(cfg):
-    if hf_name not in tensors:
-      raise CheckpointError(f'missing tensor {hf_name}')
-    used.add(hf_name)
-    _set(
-      params, path, _checked(to_flax, tensors[hf_name], cfg, hf_name, _get(expected, path).shape)
-    )
-  for path, value in _expert_leaves(cfg, tensors, used):
-    want = _get(expected, path).shape
-    if value.shape != want:
-      raise CheckpointError(
-        f'shape mismatch for experts of {".".join(path)}: stacked {value.shape}, expected {want}'
-      )
-    _set(params, path, value)
-  unexpected = sorted(set(tensors) - used)
-  if cfg.tie_word_embeddings and 'lm_head.weight' in unexpected:
-    # Some tied checkpoints still store the (identical) head; it carries no information.
-    unexpected.remove('lm_head.weight')
-  if unexpected:
-    raise CheckpointError(
-      f'unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected in all)'
-    )
-  return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-
-
-def _checked(to_flax, value: np.ndarray, cfg, hf_name: str, want: tuple[int, ...]):
+def _checked(to_flax, value: np.ndarray, hf_name: str, want: tuple[int, ...]):
   try:
-    out = to_flax(value, cfg)
+    out = to_flax(value)
   except ValueError as e:
     raise CheckpointError(
       f'shape mismatch for {hf_name}: got {value.shape}, cannot map to {want}'
@@ -355,11 +343,47 @@ def _checked(to_flax, value: np.ndarray, cfg, hf_name: str, want: tuple[int, ...
   return out
 
 
+def _map_from_hf(tensors, rules, expected, used: set[str], ignorable=()) -> dict:
+  """Applies ``rules``, then checks that every tensor was used (``ignorable`` excepted)."""
+  params = {}
+  for path, hf_name, to_flax, _ in rules:
+    if hf_name not in tensors:
+      raise CheckpointError(f'missing tensor {hf_name}')
+    used.add(hf_name)
+    _set(params, path, _checked(to_flax, tensors[hf_name], hf_name, _get(expected, path).shape))
+  unexpected = sorted(set(tensors) - used - set(ignorable))
+  if unexpected:
+    raise CheckpointError(
+      f'unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected in all)'
+    )
+  return params
+
+
+def params_from_hf(
+  tensors: dict[str, np.ndarray], cfg: qwen3.Qwen3Config, dtype=jnp.float32
+) -> dict:
+  """Maps HF tensors to the target's Flax parameter pytree, checking names and shapes."""
+  expected = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), dtype))
+  used = set()
+  experts = list(_expert_leaves(cfg, tensors, used))
+  # Some tied checkpoints still store the (identical) LM head; it carries no information.
+  ignorable = ('lm_head.weight',) if cfg.tie_word_embeddings else ()
+  params = _map_from_hf(tensors, _target_rules(cfg), expected, used, ignorable)
+  for path, value in experts:
+    want = _get(expected, path).shape
+    if value.shape != want:
+      raise CheckpointError(
+        f'shape mismatch for experts of {".".join(path)}: stacked {value.shape}, expected {want}'
+      )
+    _set(params, path, value)
+  return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+
+
 def params_to_hf(params: dict, cfg: qwen3.Qwen3Config) -> dict[str, np.ndarray]:
   """The inverse of :func:`params_from_hf` (experts written per expert)."""
-  tensors = {}
-  for path, hf_name, _, to_hf in _rules(cfg):
-    tensors[hf_name] = to_hf(np.asarray(_get(params, path)), cfg)
+  tensors = {
+    name: to_hf(np.asarray(_get(params, path))) for path, name, _, to_hf in _target_rules(cfg)
+  }
   for i in range(cfg.num_hidden_layers):
     if not cfg.is_sparse_layer(i):
       continue
@@ -407,3 +431,114 @@ def save_target(
   tensors = params_to_hf(jax.device_get(target.params), target.cfg)
   write_tensors(tensors, path, max_shard_bytes=max_shard_bytes)
   (path / 'config.json').write_text(json.dumps(config_to_hf(target.cfg, target.dtype), indent=2))
+
+
+# --------------------------------------------------------------------------------------------
+# Draft heads (the released JetSpec / DFlash layout).
+
+HEAD_ARCHITECTURE = 'DFlashDraftModel'
+
+
+def head_config_from_hf(hf: Mapping) -> draft_head.DraftHeadConfig:
+  """A :class:`DraftHeadConfig` from a released head's ``config.json``."""
+  archs = hf.get('architectures') or [HEAD_ARCHITECTURE]
+  if archs[0] != HEAD_ARCHITECTURE:
+    raise CheckpointError(
+      f'not a draft head: architectures {archs}, expected [{HEAD_ARCHITECTURE!r}]'
+    )
+  dflash = hf.get('dflash_config') or {}
+  for name in ('block_size', 'num_target_layers'):
+    if name not in hf:
+      raise CheckpointError(f'head config.json lacks {name!r}')
+  if 'mask_token_id' not in dflash:
+    raise CheckpointError('head config.json lacks dflash_config.mask_token_id')
+  layers = hf['num_hidden_layers']
+  taps = dflash.get('target_layer_ids') or draft_head.default_tap_layers(
+    hf['num_target_layers'], layers
+  )
+  heads = hf['num_attention_heads']
+  return draft_head.DraftHeadConfig(
+    hidden_size=hf['hidden_size'],
+    intermediate_size=hf['intermediate_size'],
+    num_hidden_layers=layers,
+    num_attention_heads=heads,
+    num_key_value_heads=hf.get('num_key_value_heads') or heads,
+    head_dim=hf.get('head_dim') or hf['hidden_size'] // heads,
+    vocab_size=hf['vocab_size'],
+    target_layer_ids=tuple(taps),
+    num_target_layers=hf['num_target_layers'],
+    block_size=hf['block_size'],
+    mask_token_id=dflash['mask_token_id'],
+    causal=bool(dflash.get('causal_head', False)),
+    rope_theta=rope_theta_from_hf(hf),
+    rms_norm_eps=hf.get('rms_norm_eps', 1e-6),
+    max_position_embeddings=hf.get('max_position_embeddings', 40960),
+  )
+
+
+def head_config_to_hf(cfg: draft_head.DraftHeadConfig, dtype=jnp.float32) -> dict:
+  return dict(
+    architectures=[HEAD_ARCHITECTURE],
+    model_type='qwen3',
+    hidden_size=cfg.hidden_size,
+    intermediate_size=cfg.intermediate_size,
+    num_hidden_layers=cfg.num_hidden_layers,
+    num_attention_heads=cfg.num_attention_heads,
+    num_key_value_heads=cfg.num_key_value_heads,
+    head_dim=cfg.head_dim,
+    vocab_size=cfg.vocab_size,
+    hidden_act='silu',
+    rms_norm_eps=cfg.rms_norm_eps,
+    rope_theta=cfg.rope_theta,
+    rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
+    max_position_embeddings=cfg.max_position_embeddings,
+    attention_bias=False,
+    tie_word_embeddings=False,
+    dtype=jnp.dtype(dtype).name,
+    block_size=cfg.block_size,
+    num_target_layers=cfg.num_target_layers,
+    dflash_config=dict(
+      causal_head=cfg.causal,
+      target_layer_ids=list(cfg.target_layer_ids),
+      mask_token_id=cfg.mask_token_id,
+    ),
+  )
+
+
+def load_draft_head(
+  path: str | os.PathLike, target: qwen3.Target, *, dtype=None
+) -> draft_head.DraftHead:
+  """Loads a JetSpec / DFlash head checkpoint and binds it to ``target``.
+
+  Args:
+    path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
+    target: the target whose embedding and LM head the head uses.
+    dtype: parameter dtype; defaults to the target's.
+
+  Raises:
+    FileNotFoundError, CheckpointError: as :func:`load_target`; also when the head's hidden
+      size, vocabulary or tap layers do not fit the target.
+  """
+  path = pathlib.Path(path)
+  cfg = head_config_from_hf(read_config(path))
+  try:
+    draft_head.check_fits_target(cfg, target.cfg)
+  except ValueError as e:
+    raise CheckpointError(f'head at {path} does not fit the target: {e}') from e
+  dtype = target.dtype if dtype is None else dtype
+  expected = jax.eval_shape(lambda: draft_head.init_head_params(cfg, jax.random.key(0), dtype))
+  params = _map_from_hf(read_tensors(path), _head_rules(cfg), expected, set())
+  params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+  return draft_head.DraftHead(cfg=cfg, params=params, target=target)
+
+
+def save_draft_head(head: draft_head.DraftHead, path: str | os.PathLike) -> None:
+  """Writes ``head`` in the released layout (``fc.weight``, ``layers.{i}.*``, ...)."""
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  params = jax.device_get(head.params)
+  tensors = {
+    name: to_hf(np.asarray(_get(params, p))) for p, name, _, to_hf in _head_rules(head.cfg)
+  }
+  write_tensors(tensors, path)
+  (path / 'config.json').write_text(json.dumps(head_config_to_hf(head.cfg, head.dtype), indent=2))

@@ -1,0 +1,383 @@
+"""The causal parallel draft head (DFlash architecture with a causal in-block mask; spec §B).
+
+The head reads the fused target features of the committed context (the residual streams of the
+tapped target layers, concatenated) and a block ``[anchor, MASK x (bs-1)]`` at absolute positions
+``C .. C+bs-1`` (the anchor is committed token ``C``, which the target has not seen yet). One
+forward returns per-depth logits: block row ``i`` predicts the token at position ``C+i`` (tree
+depth ``i``); row 0 is discarded.
+
+Per layer, the block's queries attend to keys/values from the context (``c = hidden_norm(fc(H))``,
+the same projections and k-norm as the block, RoPE at the context positions; ``c`` is *not* passed
+through ``input_layernorm``) and from the block itself (spec §B.3). The mask is built from explicit
+positions (never from cache state, spec §I.1) and shared by every layer:
+
+  * context key at position ``j`` is visible to block slot ``i`` iff ``j < C`` (the anchor's
+    position; strictly before it);
+  * block key ``j`` is visible iff ``j <= i`` (``causal=True``, JetSpec) or always
+    (``causal=False``, the DFlash baseline).
+
+The head owns no embedding and no LM head: it uses the target's (frozen, MASK row included).
+
+Context K/V are a pure function of (feature, position), so they are cached per layer, post-RoPE,
+append-only (:class:`jetspec_jax.kv_cache.KVCache` reused): each round computes only the ``acc+1``
+new context rows and the block (spec §I.7).
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax import kv_cache as kv_lib
+from jetspec_jax.models import qwen3
+from jetspec_jax.typing import Array, Bool, Float, Int
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftHeadConfig:
+  """Architecture of a draft head. Hashable: a static ``jit`` argument.
+
+  Attributes:
+    hidden_size: must equal the target's (the head uses the target's embedding and LM head).
+    target_layer_ids: tapped target layers, in fusion order (spec §B.2).
+    num_target_layers: layers of the target the head was built for.
+    block_size: slots per block; the maximum draft depth is ``block_size - 1``.
+    mask_token_id: token id of the MASK slots (the target's frozen embedding row).
+    causal: lower-triangular in-block mask (JetSpec) or full (DFlash baseline).
+  """
+
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  vocab_size: int
+  target_layer_ids: tuple[int, ...]
+  num_target_layers: int
+  block_size: int = 16
+  mask_token_id: int = 0
+  causal: bool = True
+  rope_theta: float = 1_000_000.0
+  rms_norm_eps: float = 1e-6
+  max_position_embeddings: int = 40960
+
+  def __post_init__(self):
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(
+        f'{self.num_attention_heads=} must be a multiple of {self.num_key_value_heads=}'
+      )
+    if self.block_size < 2:
+      raise ValueError(f'{self.block_size=} must be >= 2 (anchor + at least one draft slot)')
+    if not self.target_layer_ids:
+      raise ValueError('target_layer_ids must name at least one target layer')
+    if not 0 <= self.mask_token_id < self.vocab_size:
+      raise ValueError(f'{self.mask_token_id=} is outside the vocabulary [0, {self.vocab_size})')
+
+  @property
+  def num_taps(self) -> int:
+    return len(self.target_layer_ids)
+
+  @property
+  def max_depth(self) -> int:
+    return self.block_size - 1
+
+
+def default_tap_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+  """The reference's default tap rule (spec §B.1): spread taps over layers 1 .. L-3."""
+  if num_taps == 1:
+    return (num_target_layers // 2,)
+  span = num_target_layers - 4
+  return tuple(int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps))
+
+
+def config_for_target(
+  target_cfg: qwen3.Qwen3Config,
+  *,
+  num_layers: int = 2,
+  block_size: int = 16,
+  causal: bool = True,
+  target_layer_ids: tuple[int, ...] | None = None,
+  mask_token_id: int | None = None,
+  intermediate_size: int | None = None,
+) -> DraftHeadConfig:
+  """A head config that fits ``target_cfg`` (same width, heads, vocab and RoPE)."""
+  if target_layer_ids is None:
+    target_layer_ids = default_tap_layers(target_cfg.num_hidden_layers, min(num_layers, 5))
+  return DraftHeadConfig(
+    hidden_size=target_cfg.hidden_size,
+    intermediate_size=intermediate_size or target_cfg.intermediate_size,
+    num_hidden_layers=num_layers,
+    num_attention_heads=target_cfg.num_attention_heads,
+    num_key_value_heads=target_cfg.num_key_value_heads,
+    head_dim=target_cfg.head_dim,
+    vocab_size=target_cfg.vocab_size,
+    target_layer_ids=tuple(target_layer_ids),
+    num_target_layers=target_cfg.num_hidden_layers,
+    block_size=block_size,
+    mask_token_id=target_cfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+    causal=causal,
+    rope_theta=target_cfg.rope_theta,
+    rms_norm_eps=target_cfg.rms_norm_eps,
+    max_position_embeddings=target_cfg.max_position_embeddings,
+  )
+
+
+def check_fits_target(cfg: DraftHeadConfig, target_cfg: qwen3.Qwen3Config) -> None:
+  """Raises a ValueError naming the first mismatch between a head and a target."""
+  if cfg.hidden_size != target_cfg.hidden_size:
+    raise ValueError(
+      f'head hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}'
+    )
+  if cfg.vocab_size != target_cfg.vocab_size:
+    raise ValueError(
+      f'head vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}'
+    )
+  if cfg.num_target_layers != target_cfg.num_hidden_layers:
+    raise ValueError(
+      f'head was built for a {cfg.num_target_layers}-layer target, this target has '
+      f'{target_cfg.num_hidden_layers} layers'
+    )
+  bad = [i for i in cfg.target_layer_ids if not 0 <= i < target_cfg.num_hidden_layers]
+  if bad:
+    raise ValueError(
+      f"head taps target layers {bad}, outside the target's [0, {target_cfg.num_hidden_layers})"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Modules.
+
+
+class DraftLayer(nn.Module):
+  """A pre-norm Qwen3 decoder layer whose attention also reads injected context K/V."""
+
+  cfg: DraftHeadConfig
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    cfg = self.cfg
+    dense = functools.partial(
+      nn.DenseGeneral, use_bias=False, dtype=self.dtype, param_dtype=self.dtype
+    )
+    self.q_proj = dense((cfg.num_attention_heads, cfg.head_dim))
+    self.k_proj = dense((cfg.num_key_value_heads, cfg.head_dim))
+    self.v_proj = dense((cfg.num_key_value_heads, cfg.head_dim))
+    self.o_proj = dense(cfg.hidden_size, axis=(-2, -1))
+    self.q_norm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
+    self.k_norm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
+    self.input_layernorm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
+    self.post_attention_layernorm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
+    self.mlp = qwen3.MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype)
+
+  def keys_values(self, h, positions):
+    k = qwen3.rope(self.k_norm(self.k_proj(h)), positions, self.cfg.rope_theta)
+    return k, self.v_proj(h)
+
+  def context_kv(self, context: Float[Array, 'B R D'], positions: Int[Array, 'B R']):
+    """Post-RoPE K/V of fused context rows (no input_layernorm on the context)."""
+    return self.keys_values(context, positions)
+
+  def __call__(self, x, positions, ctx_k, ctx_v, mask):
+    """x ``[B, Q, D]`` block stream; ctx ``[B, S, K, H]``; mask ``[B, Q, S + Q]``."""
+    h = self.input_layernorm(x)
+    q = qwen3.rope(self.q_norm(self.q_proj(h)), positions, self.cfg.rope_theta)
+    k, v = self.keys_values(h, positions)
+    keys = jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], axis=1)
+    values = jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], axis=1)
+    x = x + self.o_proj(qwen3.attention_xla(q, keys, values, mask))
+    return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DraftHeadModule(nn.Module):
+  """Parameters: ``fc``, ``hidden_norm``, ``layers_i``, ``norm`` (released layout names)."""
+
+  cfg: DraftHeadConfig
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    cfg = self.cfg
+    self.fc = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+    self.hidden_norm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
+    self.layers = [DraftLayer(cfg, self.dtype) for _ in range(cfg.num_hidden_layers)]
+    self.norm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
+
+  def context_kv(self, features, positions):
+    """Per-layer K/V of context rows: ``c = hidden_norm(fc(features))`` (spec §B.2)."""
+    c = self.hidden_norm(self.fc(features.astype(self.dtype)))
+    kvs = [layer.context_kv(c, positions) for layer in self.layers]
+    return tuple(k for k, _ in kvs), tuple(v for _, v in kvs)
+
+  def __call__(self, x, positions, ctx_k, ctx_v, mask):
+    for i, layer in enumerate(self.layers):
+      x = layer(x, positions, ctx_k[i], ctx_v[i], mask)
+    return self.norm(x)
+
+  def init_all(self, features, x, positions, mask):
+    ctx_k, ctx_v = self.context_kv(features, positions)
+    return self(x, positions, ctx_k, ctx_v, mask)
+
+
+def init_head_params(cfg: DraftHeadConfig, key, dtype=jnp.float32) -> dict:
+  """Random head parameters (Flax default initialisers)."""
+  features = jnp.zeros((1, 1, cfg.num_taps * cfg.hidden_size), dtype)
+  x = jnp.zeros((1, 1, cfg.hidden_size), dtype)
+  positions = jnp.zeros((1, 1), jnp.int32)
+  mask = jnp.ones((1, 1, 2), bool)
+  module = DraftHeadModule(cfg, dtype)
+  return module.init(key, features, x, positions, mask, method=DraftHeadModule.init_all)['params']
+
+
+# --------------------------------------------------------------------------------------------
+# Masks.
+
+
+def block_mask(
+  cfg: DraftHeadConfig, anchor_pos: Int[Array, ' B'], capacity: int
+) -> Bool[Array, 'B Q S']:
+  """Inference mask ``[B, bs, capacity + bs]`` over ``[context slots | block slots]``.
+
+  Context slot ``j`` holds the context token at position ``j``; it is visible iff
+  ``j < anchor_pos`` (strictly before the anchor). Block key ``j`` is visible to query ``i`` iff
+  ``j <= i`` (causal) or always (bidirectional). Built from positions only.
+
+  Example, ``bs = 3``, causal, anchor at position 2, capacity 4 (``x`` visible)::
+
+             ctx0 ctx1 ctx2 ctx3 | b0 b1 b2
+      slot0   x    x    .    .   | x  .  .
+      slot1   x    x    .    .   | x  x  .
+      slot2   x    x    .    .   | x  x  x
+  """
+  bs = cfg.block_size
+  ctx = jnp.arange(capacity)[None, None, :] < anchor_pos[:, None, None]
+  ctx = jnp.broadcast_to(ctx, (anchor_pos.shape[0], bs, capacity))
+  if cfg.causal:
+    blk = jnp.arange(bs)[None, :] <= jnp.arange(bs)[:, None]
+  else:
+    blk = jnp.ones((bs, bs), bool)
+  blk = jnp.broadcast_to(blk[None], (anchor_pos.shape[0], bs, bs))
+  return jnp.concatenate([ctx, blk], axis=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# The head as one object.
+
+
+@flax.struct.dataclass
+class DraftHead:
+  """A draft head bound to its target (whose embedding and LM head it uses).
+
+  A pytree (``cfg`` static), so it can be passed into ``jit``.
+  """
+
+  cfg: DraftHeadConfig = flax.struct.field(pytree_node=False)
+  params: dict
+  target: qwen3.Target
+
+  @property
+  def dtype(self):
+    return self.params['fc']['kernel'].dtype
+
+  def make_cache(self, batch_size: int, capacity: int) -> kv_lib.KVCache:
+    """An empty context K/V cache (one K/V per head layer)."""
+    return kv_lib.init_cache(
+      num_layers=self.cfg.num_hidden_layers,
+      batch_size=batch_size,
+      capacity=capacity,
+      num_kv_heads=self.cfg.num_key_value_heads,
+      head_dim=self.cfg.head_dim,
+      dtype=self.dtype,
+    )
+
+  def extend_context(
+    self,
+    cache: kv_lib.KVCache,
+    features: Float[Array, 'B R F'],
+    num_new: Int[Array, ' B'],
+  ) -> kv_lib.KVCache:
+    """Appends the first ``num_new[b]`` rows of ``features`` at positions ``lengths[b] + i``."""
+    r = features.shape[1]
+    if features.shape[-1] != self.cfg.num_taps * self.cfg.hidden_size:
+      raise ValueError(
+        f'features have width {features.shape[-1]}, the head expects '
+        f'{self.cfg.num_taps} taps x {self.cfg.hidden_size} = '
+        f'{self.cfg.num_taps * self.cfg.hidden_size}'
+      )
+    offsets = jnp.arange(r, dtype=jnp.int32)[None]
+    positions = cache.lengths[:, None] + offsets
+    slots = jnp.where(offsets < num_new[:, None], positions, cache.capacity)
+    module = DraftHeadModule(self.cfg, self.dtype)
+    k, v = module.apply(
+      {'params': self.params}, features, positions, method=DraftHeadModule.context_kv
+    )
+    return kv_lib.KVCache(
+      k=tuple(kv_lib.write_slots(buf, slots, new) for buf, new in zip(cache.k, k)),
+      v=tuple(kv_lib.write_slots(buf, slots, new) for buf, new in zip(cache.v, v)),
+      lengths=(cache.lengths + num_new).astype(jnp.int32),
+    )
+
+  def propose_cached(
+    self, cache: kv_lib.KVCache, anchor: Int[Array, ' B']
+  ) -> Float[Array, 'B D V']:
+    """Per-depth logits ``[B, bs-1, V]`` (float32) for the block anchored after the context.
+
+    The anchor sits at position ``cache.lengths`` (the first token without a feature row).
+    """
+    cfg = self.cfg
+    b, bs = anchor.shape[0], cfg.block_size
+    ids = jnp.full((b, bs), cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
+    x = self.target.embed(ids).astype(self.dtype)
+    anchor_pos = cache.lengths
+    positions = anchor_pos[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+    mask = block_mask(cfg, anchor_pos, cache.capacity)
+    module = DraftHeadModule(cfg, self.dtype)
+    hidden = module.apply({'params': self.params}, x, positions, cache.k, cache.v, mask)
+    return self.target.lm_logits(hidden[:, 1:].astype(self.target.dtype)).astype(jnp.float32)
+
+  def propose(
+    self, context_features: Float[Array, 'C F'], anchor: int | Array
+  ) -> Float[Array, 'D V']:
+    """Per-depth logits ``[bs-1, V]`` from the whole context at once (no cache reuse).
+
+    Args:
+      context_features: fused taps ``[C, n_taps * D]`` of committed tokens ``0 .. C-1``.
+      anchor: committed token ``C`` (the last one; it has no feature row).
+
+    Returns:
+      float32 logits; row ``i`` predicts the token at depth ``i + 1`` (position ``C + i + 1``).
+    """
+    features = jnp.asarray(context_features)
+    if features.ndim != 2:
+      raise ValueError(f'context_features must be [C, n_taps*D], got shape {features.shape}')
+    c = features.shape[0]
+    cache = self.make_cache(1, max(c, 1))
+    cache = self.extend_context(cache, features[None], jnp.array([c], jnp.int32))
+    return self.propose_cached(cache, jnp.asarray(anchor, jnp.int32).reshape(1))[0]
+
+
+def random_draft_head(
+  target: qwen3.Target,
+  *,
+  block_size: int = 8,
+  causal: bool = True,
+  seed: int = 0,
+  num_layers: int = 2,
+  target_layer_ids: tuple[int, ...] | None = None,
+  scale: float = 1.0,
+) -> DraftHead:
+  """A randomly initialised head that fits ``target`` (``scale`` multiplies the weights)."""
+  cfg = config_for_target(
+    target.cfg,
+    num_layers=num_layers,
+    block_size=block_size,
+    causal=causal,
+    target_layer_ids=target_layer_ids,
+  )
+  params = init_head_params(cfg, jax.random.key(seed), target.dtype)
+  if scale != 1.0:
+    params = jax.tree.map(lambda p: p * scale, params)
+  return DraftHead(cfg=cfg, params=params, target=target)

@@ -1,0 +1,211 @@
+"""Draft trees on device: best-first construction from per-depth top-W candidates (spec §D).
+
+A :class:`Tree` is a set of fixed-size arrays of length ``budget`` (a static shape); entries at or
+past ``num_nodes`` are padding. Node 0 is the root (the anchor, depth 0); nodes are in creation
+order, so every parent precedes its children. Five-node example (``W = 2``, depth-1 candidates
+``a, b``, depth-2 candidates ``c, d``)::
+
+  index   0  1  2  3  4            (root)  0
+  token   r  a  b  c  d                   / \\
+  parent -1  0  0  1  1                 a 1  2 b
+  depth   0  1  1  2  2                 / \\
+                                     c 3  4 d
+
+  ancestor-or-self mask (row = node, column = node it may attend to):
+       0 1 2 3 4
+    0  x . . . .
+    1  x x . . .
+    2  x . x . .
+    3  x x . x .
+    4  x x . . x
+"""
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.typing import Array, Bool, Float, Int
+
+
+@flax.struct.dataclass
+class Tree:
+  """A draft tree as fixed-size arrays (padding past ``num_nodes``).
+
+  Attributes:
+    tokens: ``int32[M]`` node tokens (``tokens[0]`` is the anchor); padding 0.
+    parents: ``int32[M]`` parent index, -1 for the root and for padding.
+    depths: ``int32[M]`` depth (root 0); padding 0.
+    scores: ``float32[M]`` cumulative draft log-probability; padding -inf.
+    num_nodes: ``int32[]`` real nodes.
+  """
+
+  tokens: Int[Array, ' M']
+  parents: Int[Array, ' M']
+  depths: Int[Array, ' M']
+  scores: Float[Array, ' M']
+  num_nodes: Int[Array, '']
+
+  @property
+  def size(self) -> int:
+    return self.tokens.shape[-1]
+
+  def valid(self) -> Bool[Array, ' M']:
+    return jnp.arange(self.size) < self.num_nodes
+
+  def ancestor_mask(self, max_depth: int | None = None) -> Bool[Array, 'M M']:
+    """``anc[i, j]``: node ``j`` is node ``i`` or one of its ancestors (see module docstring).
+
+    Args:
+      max_depth: an upper bound on the tree depth (defaults to ``M - 1``); the mask takes
+        ``max_depth + 1`` parent-pointer steps.
+    """
+    return ancestor_mask(self.parents, self.size - 1 if max_depth is None else max_depth)
+
+
+def ancestor_mask(parents: Int[Array, ' M'], max_depth: int) -> Bool[Array, 'M M']:
+  """Ancestor-or-self mask from a parent array (root and padding: parent -1)."""
+  m = parents.shape[0]
+  rows = jnp.arange(m)
+
+  def step(_, carry):
+    anc, node = carry
+    anc = anc.at[rows, node].set(True)
+    parent = parents[node]
+    return anc, jnp.where(parent >= 0, parent, node)
+
+  anc, _ = jax.lax.fori_loop(0, max_depth + 1, step, (jnp.zeros((m, m), bool), rows))
+  return anc
+
+
+def build_with_caps(
+  topk_ids: Int[Array, 'D W'],
+  topk_logprobs: Float[Array, 'D W'],
+  budget: int,
+  caps: Int[Array, ' D'],
+  *,
+  anchor: int | Array = 0,
+) -> Tree:
+  """Best-first tree with at most ``caps[d]`` children per depth-``d`` parent (spec §D.2).
+
+  Repeatedly pops the unexpanded node with the highest cumulative score (ties: the earliest
+  created, i.e. first-in-first-out) and appends its children in rank order,
+  ``min(caps[depth], W, budget - num_nodes)`` of them, so the last expansion may be partial.
+  Nodes at depth ``D`` are popped but not expanded. Stops at ``budget`` nodes (the root counts)
+  or when nothing is left to expand. Every parent at depth ``d`` gets the same candidates
+  ``topk_ids[d]`` (shared per-depth marginals).
+
+  Args:
+    topk_ids: ``[D, W]`` candidate tokens; row ``d`` holds candidates for depth ``d + 1``.
+    topk_logprobs: ``[D, W]`` their full-vocabulary log-probabilities, rank-sorted.
+    budget: static number of node slots (root included), ``>= 1``.
+    caps: ``[D]`` children per parent at each depth.
+    anchor: the root token.
+
+  Returns:
+    A :class:`Tree` of size ``budget``.
+  """
+  if budget < 1:
+    raise ValueError(f'{budget=} must be >= 1 (the root counts)')
+  if topk_ids.ndim != 2 or topk_ids.shape != topk_logprobs.shape:
+    raise ValueError(
+      f'topk_ids {topk_ids.shape} and topk_logprobs {topk_logprobs.shape} must both be [D, W]'
+    )
+  max_depth, width = topk_ids.shape
+  topk_ids, caps = jnp.asarray(topk_ids, jnp.int32), jnp.asarray(caps, jnp.int32)
+  idx = jnp.arange(budget)
+  tree = Tree(
+    tokens=jnp.zeros((budget,), jnp.int32).at[0].set(jnp.asarray(anchor, jnp.int32)),
+    parents=jnp.full((budget,), -1, jnp.int32),
+    depths=jnp.zeros((budget,), jnp.int32),
+    scores=jnp.full((budget,), -jnp.inf, jnp.float32).at[0].set(0.0),
+    num_nodes=jnp.int32(1),
+  )
+  popped = jnp.zeros((budget,), bool)
+  caps = jnp.minimum(caps, width)
+  logprobs = jnp.asarray(topk_logprobs, jnp.float32)
+
+  def frontier(tree, popped):
+    return (idx < tree.num_nodes) & ~popped
+
+  def cond(state):
+    tree, popped = state
+    return (tree.num_nodes < budget) & jnp.any(frontier(tree, popped))
+
+  def body(state):
+    tree, popped = state
+    # argmax returns the first maximum: equal scores break ties by creation order (FIFO).
+    v = jnp.argmax(jnp.where(frontier(tree, popped), tree.scores, -jnp.inf))
+    popped = popped.at[v].set(True)
+    depth = tree.depths[v]
+    row = jnp.minimum(depth, max_depth - 1)
+    count = jnp.where(depth < max_depth, jnp.minimum(caps[row], budget - tree.num_nodes), 0)
+    rank = jnp.arange(width)
+    dst = jnp.where(rank < count, tree.num_nodes + rank, budget)  # out of range: dropped
+    tree = tree.replace(
+      tokens=tree.tokens.at[dst].set(topk_ids[row], mode='drop'),
+      parents=tree.parents.at[dst].set(v.astype(jnp.int32), mode='drop'),
+      depths=tree.depths.at[dst].set(depth + 1, mode='drop'),
+      scores=tree.scores.at[dst].set(tree.scores[v] + logprobs[row], mode='drop'),
+      num_nodes=tree.num_nodes + count,
+    )
+    return tree, popped
+
+  tree, _ = jax.lax.while_loop(cond, body, (tree, popped))
+  return tree
+
+
+def accum_logp(
+  topk_ids: Int[Array, 'D W'],
+  topk_logprobs: Float[Array, 'D W'],
+  budget: int,
+  *,
+  anchor: int | Array = 0,
+) -> Tree:
+  """The default tree (paper Algorithm 1): best-first on cumulative log-prob, all ``W`` children.
+
+  ``budget`` counts the root: ``budget = 255`` gives the anchor plus 254 draft nodes.
+  """
+  caps = jnp.full((topk_ids.shape[0],), topk_ids.shape[1], jnp.int32)
+  return build_with_caps(topk_ids, topk_logprobs, budget, caps, anchor=anchor)
+
+
+def top2gap_caps(
+  topk_logprobs: Float[Array, 'D W'], *, beta: float = 1.0, gap0: float = 1.0
+) -> Int[Array, ' D']:
+  """Per-depth fan-out ``max(1, round(W * sigmoid(-beta * (gap - gap0))))`` (spec §D.4).
+
+  ``gap = lp[d, 0] - lp[d, 1]``: confident depths collapse to a chain, uncertain ones fan out.
+  """
+  width = topk_logprobs.shape[1]
+  if width < 2:
+    return jnp.ones((topk_logprobs.shape[0],), jnp.int32)
+  gap = topk_logprobs[:, 0] - topk_logprobs[:, 1]
+  caps = jnp.round(width * jax.nn.sigmoid(-beta * (gap - gap0)))
+  return jnp.maximum(1, caps).astype(jnp.int32)
+
+
+def top2gap(
+  topk_ids: Int[Array, 'D W'],
+  topk_logprobs: Float[Array, 'D W'],
+  budget: int,
+  *,
+  anchor: int | Array = 0,
+  beta: float = 1.0,
+  gap0: float = 1.0,
+) -> Tree:
+  """accum_logp with :func:`top2gap_caps` fan-out caps."""
+  caps = top2gap_caps(topk_logprobs, beta=beta, gap0=gap0)
+  return build_with_caps(topk_ids, topk_logprobs, budget, caps, anchor=anchor)
+
+
+TREE_BUILDERS = {'accum_logp': accum_logp, 'top2gap': top2gap}
+
+
+@functools.partial(jax.jit, static_argnames=('width',))
+def topk_per_depth(logits: Float[Array, '... D V'], width: int):
+  """Full-vocabulary log-softmax in float32, then rank-sorted top-``width`` per depth."""
+  logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  values, ids = jax.lax.top_k(logprobs, width)
+  return ids.astype(jnp.int32), values

@@ -1,0 +1,176 @@
+"""Tree construction: exact reference semantics of accum_logp, caps, ancestor masks."""
+
+import heapq
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+import jetspec_jax as js
+from jetspec_jax import tree as tree_lib
+
+
+def heap_reference(ids, lps, budget, caps=None, anchor=0):
+  """A direct transcription of spec §D.2 with a binary heap and an insertion counter."""
+  d_max, w = ids.shape
+  caps = [w] * d_max if caps is None else list(caps)
+  nodes = [(anchor, -1, 0, 0.0)]  # (token, parent, depth, score)
+  counter = itertools.count()
+  heap = [(-0.0, next(counter), 0)]
+  while heap and len(nodes) < budget:
+    _, _, v = heapq.heappop(heap)
+    _, _, depth, score = nodes[v]
+    if depth == d_max:
+      continue
+    for r in range(min(caps[depth], w, budget - len(nodes))):
+      nodes.append((int(ids[depth, r]), v, depth + 1, score + float(lps[depth, r])))
+      heapq.heappush(heap, (-nodes[-1][3], next(counter), len(nodes) - 1))
+  return nodes
+
+
+def as_lists(tree):
+  n = int(tree.num_nodes)
+  return list(
+    zip(
+      np.asarray(tree.tokens)[:n].tolist(),
+      np.asarray(tree.parents)[:n].tolist(),
+      np.asarray(tree.depths)[:n].tolist(),
+      np.asarray(tree.scores)[:n].tolist(),
+    )
+  )
+
+
+def assert_same(tree, ref):
+  got = as_lists(tree)
+  assert [g[:3] for g in got] == [r[:3] for r in ref]
+  np.testing.assert_allclose([g[3] for g in got], [r[3] for r in ref], rtol=1e-6, atol=1e-6)
+
+
+build = jax.jit(tree_lib.accum_logp, static_argnames='budget')
+
+
+def test_docstring_example():
+  """The five-node example of the module docstring."""
+  ids = np.array([[1, 2], [3, 4]])
+  lps = np.log(np.array([[0.6, 0.3], [0.5, 0.4]], np.float32))
+  tree = build(ids, lps, budget=5, anchor=9)
+  assert np.asarray(tree.tokens).tolist() == [9, 1, 2, 3, 4]
+  assert np.asarray(tree.parents).tolist() == [-1, 0, 0, 1, 1]
+  assert np.asarray(tree.depths).tolist() == [0, 1, 1, 2, 2]
+  anc = np.asarray(tree.ancestor_mask())
+  want = np.array(
+    [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 0, 1]], bool
+  )
+  np.testing.assert_array_equal(anc, want)
+
+
+def test_budget_one_is_the_root():
+  tree = build(np.array([[5, 6]]), np.log(np.array([[0.7, 0.2]], np.float32)), budget=1, anchor=3)
+  assert int(tree.num_nodes) == 1 and int(tree.tokens[0]) == 3 and int(tree.parents[0]) == -1
+
+
+def test_partial_last_expansion():
+  """Budget 4 with W=3: the root's 3 children fill it; budget 6: the best child gets 2 of 3."""
+  ids = np.array([[10, 11, 12], [20, 21, 22]])
+  lps = np.log(np.array([[0.5, 0.3, 0.1], [0.6, 0.3, 0.05]], np.float32))
+  tree = build(ids, lps, budget=6)
+  assert as_lists(tree)[4][:3] == (20, 1, 2) and as_lists(tree)[5][:3] == (21, 1, 2)
+  assert int(tree.num_nodes) == 6
+
+
+def test_ties_break_first_in_first_out():
+  """Equal scores: the earlier-created node is expanded first."""
+  ids = np.array([[1, 2], [3, 4], [5, 6]])
+  lps = np.array([[-1.0, -1.0], [-0.5, -0.5], [-0.1, -0.1]], np.float32)
+  tree = build(ids, lps, budget=5)
+  # Root -> (1, 2) tie at -1.0: node 1 (token 1) is expanded first.
+  assert as_lists(tree)[3][:3] == (3, 1, 2) and as_lists(tree)[4][:3] == (4, 1, 2)
+  assert_same(tree, heap_reference(ids, lps, 5))
+
+
+def test_max_depth_nodes_are_not_expanded():
+  """With D=2 and W=1 the tree is a 3-node chain, whatever the budget."""
+  ids = np.array([[7], [8]])
+  lps = np.array([[-0.1], [-0.2]], np.float32)
+  tree = build(ids, lps, budget=10)
+  assert int(tree.num_nodes) == 3
+  assert np.asarray(tree.parents)[:3].tolist() == [-1, 0, 1]
+  assert np.asarray(tree.parents)[3:].tolist() == [-1] * 7  # padding
+
+
+@pytest.mark.parametrize('seed', range(6))
+def test_matches_heap_reference_on_random_inputs(seed):
+  rng = np.random.default_rng(seed)
+  d, w = rng.integers(1, 8), rng.integers(1, 8)
+  budget = int(rng.choice([1, 2, 7, 16, 64, 255]))
+  ids = rng.integers(0, 1000, size=(d, w))
+  lps = -np.sort(rng.exponential(2.0, size=(d, w)), axis=1).astype(np.float32)
+  # Quantise so that ties actually occur.
+  lps = np.round(lps * 2) / 2
+  assert_same(build(ids, lps, budget=budget), heap_reference(ids, lps, budget))
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_tree_is_best_first_prefix_closed_set(seed):
+  """The tree is prefix-closed and grown best-first by cumulative score.
+
+  Children arrive a whole expansion (W of them) at a time, so the literal top-``budget`` set is
+  not the reference semantics; what holds is that the *expanded* nodes are the top-scoring
+  expandable nodes: no node left unexpanded (depth < D) scores above any expanded node, and
+  scores never increase along a path.
+  """
+  rng = np.random.default_rng(100 + seed)
+  d, w, budget = 5, 4, 40
+  ids = np.arange(d * w).reshape(d, w)
+  lps = -np.sort(rng.exponential(1.5, size=(d, w)), axis=1).astype(np.float32)
+  nodes = as_lists(build(ids, lps, budget=budget))
+  assert len(nodes) == budget
+  expanded = {parent for _, parent, _, _ in nodes[1:]}
+  lowest_expanded = min(nodes[v][3] for v in expanded)
+  for v, (_, parent, depth, score) in enumerate(nodes):
+    if v:
+      assert 0 <= parent < v and score <= nodes[parent][3]
+    if v not in expanded and depth < d:
+      assert score <= lowest_expanded + 1e-6
+  # The unexpanded frontier is exactly what the next expansion would draw from.
+  frontier_best = max(nodes[v][3] for v in range(budget) if v not in expanded and nodes[v][2] < d)
+  assert frontier_best <= lowest_expanded + 1e-6
+
+
+def test_caps_builder_and_top2gap():
+  rng = np.random.default_rng(7)
+  ids = rng.integers(0, 50, size=(6, 5))
+  lps = -np.sort(rng.exponential(1.0, size=(6, 5)), axis=1).astype(np.float32)
+  lps[1, 0], lps[1, 1] = -0.01, -6.0  # a confident depth: large top-2 gap
+  caps = np.asarray(tree_lib.top2gap_caps(lps, beta=2.0, gap0=1.0))
+  assert caps[1] == 1 and caps.min() >= 1 and caps.max() <= 5
+  gap = lps[:, 0] - lps[:, 1]
+  want = np.maximum(1, np.round(5 / (1 + np.exp(2.0 * (gap - 1.0)))))
+  np.testing.assert_array_equal(caps, want)
+  tree = jax.jit(tree_lib.top2gap, static_argnames=('budget', 'beta', 'gap0'))(
+    ids, lps, budget=30, beta=2.0, gap0=1.0
+  )
+  assert_same(tree, heap_reference(ids, lps, 30, caps=caps))
+  full = tree_lib.build_with_caps(ids, lps, 30, np.full((6,), 5))
+  assert_same(full, heap_reference(ids, lps, 30))
+
+
+@pytest.mark.parametrize('kind', ['random', 'chain', 'star'])
+def test_ancestor_mask_matches_parent_walk(kind):
+  tree = js.testing.random_tree(3, 23, kind=kind)
+  anc = np.asarray(tree.ancestor_mask())
+  parents = np.asarray(tree.parents)
+  for i in range(23):
+    want, j = {i}, i
+    while parents[j] >= 0:
+      j = parents[j]
+      want.add(j)
+    assert set(np.flatnonzero(anc[i])) == want
+
+
+def test_bad_inputs():
+  with pytest.raises(ValueError, match='budget=0 must be >= 1'):
+    tree_lib.accum_logp(np.zeros((2, 2), np.int32), np.zeros((2, 2), np.float32), 0)
+  with pytest.raises(ValueError, match='must both be'):
+    tree_lib.accum_logp(np.zeros((2, 2), np.int32), np.zeros((2, 3), np.float32), 4)
