@@ -5,5 +5,6 @@ from experiments.configs import demo as demo_config
 
 
 def test_demo_runs_on_tiny_config():
-  summary = demo.run(demo_config.get_config('tiny'))
-  assert summary['tokens'] == 8 and summary['tokens_per_s'] > 0
+  results = demo.run(demo_config.get_config('tiny'))
+  assert set(results) == {'ar', 'chain', 'tree'}
+  assert results['ar']['tokens'] == 8 and all(r['tps'] > 0 for r in results.values())

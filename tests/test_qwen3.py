@@ -203,7 +203,7 @@ def test_sequence_beyond_cache_capacity(target):
 def test_generate_prompt_beyond_context():
   target = js.testing.tiny_target(0, max_position_embeddings=32)
   with pytest.raises(ValueError, match='exceeds the model context 32'):
-    js.generate(target, None, np.arange(30), max_new_tokens=8)
+    js.generate(target, None, np.arange(30), max_new_tokens=8, method='ar')
 
 
 def test_bad_config():

@@ -4,8 +4,8 @@ Run:
   make demo            # == .venv/bin/python -m experiments.demo
 
 Until the embedded default exists (assets/), the demo builds a random Qwen3-architecture target of
-the size below, generates greedily with the on-device autoregressive loop, and prints the tokens,
-the compile time and the steady-state tokens/s.
+the size below and a random draft head, generates greedily with `ar`, `chain` and `tree`, checks
+that the outputs are identical, and prints tau, tokens/s, speedup and compile time.
 """
 
 import ml_collections
@@ -17,6 +17,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.prompt_len = 24
   config.max_new_tokens = 64
   config.num_prompts = 3
+  config.block_size = 8
+  config.head_layers = 1
+  config.budget = 32
+  config.width = 4
   config.target = ml_collections.ConfigDict(
     dict(
       vocab_size=4099,

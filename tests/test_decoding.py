@@ -1,0 +1,205 @@
+"""The lossless invariants of speculative decoding (DESIGN.md §5), and generate's errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jetspec_jax as js
+from jetspec_jax import decoding, verify
+
+VOCAB = 17  # small, so random heads' drafts are often accepted and commits are exercised
+
+
+@pytest.fixture(scope='module')
+def target():
+  return js.testing.tiny_target(0, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope='module')
+def heads(target):
+  return {
+    'causal': js.testing.random_draft_head(target, block_size=6, seed=1),
+    'bidirectional': js.testing.random_draft_head(target, block_size=6, causal=False, seed=2),
+  }
+
+
+@pytest.fixture(scope='module')
+def prompts():
+  return [js.testing.random_ids(10 + n, (n,), VOCAB) for n in (1, 6, 23)]
+
+
+@pytest.fixture(scope='module')
+def ar_outputs(target, prompts):
+  return [js.generate(target, None, p, max_new_tokens=30, method='ar').tokens for p in prompts]
+
+
+CASES = [
+  ('chain', 'causal', {}),
+  ('chain', 'bidirectional', {}),
+  ('tree', 'causal', dict(budget=1, width=7)),
+  ('tree', 'causal', dict(budget=2, width=1)),
+  ('tree', 'causal', dict(budget=16, width=3)),
+  ('tree', 'bidirectional', dict(budget=64, width=7)),
+  ('tree', 'causal', dict(budget=255, width=7)),
+  ('tree', 'causal', dict(budget=40, width=5, tree_algorithm='top2gap')),
+]
+
+
+@pytest.mark.parametrize('method, head_kind, kwargs', CASES)
+def test_greedy_speculative_equals_autoregressive(
+  target, heads, prompts, ar_outputs, method, head_kind, kwargs
+):
+  """Greedy chain/tree output == greedy AR output, token for token, in float32.
+
+  This holds for any draft head (random ones here), budget and width: acceptance only commits
+  tokens equal to the target's own argmax given the committed prefix.
+  """
+  accepted_drafts = 0
+  for prompt, want in zip(prompts, ar_outputs):
+    out = js.generate(target, heads[head_kind], prompt, max_new_tokens=30, method=method, **kwargs)
+    np.testing.assert_array_equal(out.tokens, want)
+    assert out.stats.rounds == len(out.stats.tau)
+    assert out.stats.tau.sum() >= len(want) - 1  # every token after the first is committed
+    assert out.stats.tau.max() <= heads[head_kind].cfg.block_size
+    accepted_drafts += int((out.stats.tau - 1).sum())
+  if kwargs.get('budget', 2) > 2:
+    assert accepted_drafts > 0, 'no draft was ever accepted: the commit path went untested'
+
+
+def test_moe_target_lossless():
+  target = js.testing.tiny_target(2, moe=True, vocab_size=VOCAB)
+  head = js.testing.random_draft_head(target, block_size=5, seed=3)
+  prompt = js.testing.random_ids(1, (9,), VOCAB)
+  want = js.generate(target, None, prompt, max_new_tokens=25, method='ar').tokens
+  out = js.generate(target, head, prompt, max_new_tokens=25, method='tree', budget=32, width=4)
+  np.testing.assert_array_equal(out.tokens, want)
+  assert out.stats.mean_tau > 1.0
+
+
+@pytest.mark.parametrize('method', ['chain', 'tree'])
+def test_eos_stops_like_autoregressive(target, heads, prompts, ar_outputs, method):
+  """With an EOS id, output ends at the first EOS exactly where AR's does."""
+  prompt, free = prompts[1], ar_outputs[1]
+  eos = int(free[7])
+  want = free[: int(np.flatnonzero(free == eos)[0]) + 1]
+  ar = js.generate(target, None, prompt, max_new_tokens=30, method='ar', eos_id=eos)
+  np.testing.assert_array_equal(ar.tokens, want)
+  out = js.generate(
+    target,
+    heads['causal'],
+    prompt,
+    max_new_tokens=30,
+    method=method,
+    eos_id=eos,
+    budget=32,
+    width=4,
+  )
+  np.testing.assert_array_equal(out.tokens, want)
+
+
+def test_rounds_run_without_host_transfers(target, heads):
+  """A whole generation (many rounds) is one device computation: no transfer inside it."""
+  head = heads['causal']
+  prompt, plen, capacity = decoding._prepare_prompt(target, np.arange(1, 8), 40, extra=40)
+  loop = functools.partial(
+    decoding.speculative_loop,
+    capacity=capacity,
+    max_new_tokens=40,
+    sampling=decoding.Sampling(),
+    tree_settings=decoding.TreeSettings(budget=16, width=3),
+  )
+  key = jax.random.key(0)
+  jax.block_until_ready(loop(target, head, prompt, plen, key))  # compile outside the guard
+  with jax.transfer_guard('disallow'):
+    out = loop(target, head, prompt, plen, key)
+    jax.block_until_ready(out)
+  rounds = int(out[3])
+  assert rounds > 3
+
+
+def exact_distribution(target, prompt, length, temperature, top_k, top_p):
+  """P(x_1..x_length | prompt) for every sequence, by enumeration over a tiny vocabulary."""
+  v = target.cfg.vocab_size
+  probs = np.ones((1,))
+  seqs = np.zeros((1, 0), np.int32)
+  for _ in range(length):
+    ids = np.concatenate([np.repeat(prompt[None], len(seqs), 0), seqs], axis=1)
+    logits = target.logits(ids)[:, -1]
+    step = np.asarray(jax.nn.softmax(verify.process_logits(logits, temperature, top_k, top_p)))
+    probs = (probs[:, None] * step).reshape(-1)
+    seqs = np.concatenate([np.repeat(seqs, v, 0), np.tile(np.arange(v), len(seqs))[:, None]], 1)
+  return probs  # indexed by the sequence in base-v
+
+
+@pytest.mark.parametrize('temperature, top_k, top_p', [(1.0, 0, 1.0), (0.8, 4, 0.9)])
+def test_sampled_tree_matches_target_distribution(temperature, top_k, top_p):
+  """At T > 0, sample-and-match gives exactly the target's distribution over sequences.
+
+  Chi-square over the first 3 generated tokens on a 5-token vocabulary (125 cells, cells with
+  expected count < 5 pooled), 12k samples: the statistic must stay below dof + 6 sqrt(2 dof)
+  (a false alarm has probability < 1e-6). Accepting drafts by any rule other than an exact
+  sample (e.g. the target's argmax) moves the statistic far above that.
+  """
+  target = js.testing.tiny_target(5, vocab_size=5)
+  target = target.replace(params=jax.tree.map(lambda p: p * 1.5, target.params))
+  head = js.testing.random_draft_head(target, block_size=4, seed=6)
+  prompt_np = np.array([1, 3, 0, 2])
+  sampling = decoding.Sampling(temperature, top_k, top_p)
+  prompt, plen, capacity = decoding._prepare_prompt(target, prompt_np, 3, extra=32)
+  loop = functools.partial(
+    decoding.speculative_loop,
+    capacity=capacity,
+    max_new_tokens=3,
+    sampling=sampling,
+    tree_settings=decoding.TreeSettings(budget=12, width=3),
+  )
+  draw = jax.jit(jax.vmap(lambda k: loop(target, head, prompt, plen, k)[:2]))
+  counts = np.zeros(125)
+  for chunk in range(6):
+    keys = jax.random.split(jax.random.key(chunk), 2000)
+    tokens, _ = jax.device_get(draw(keys))
+    codes = tokens[:, 0] * 25 + tokens[:, 1] * 5 + tokens[:, 2]
+    counts += np.bincount(codes, minlength=125)
+  expected = exact_distribution(target, prompt_np, 3, temperature, top_k, top_p) * counts.sum()
+  small = expected < 5
+  obs = np.append(counts[~small], counts[small].sum())
+  exp = np.append(expected[~small], expected[small].sum())
+  keep = exp > 0
+  assert obs[~keep].sum() == 0, 'sampled a sequence the target gives probability 0'
+  stat = (((obs - exp) ** 2)[keep] / exp[keep]).sum()
+  dof = keep.sum() - 1
+  print(f'chi-square {stat:.1f} with {dof} dof (bound {dof + 6 * np.sqrt(2 * dof):.1f})')
+  assert stat < dof + 6 * np.sqrt(2 * dof), (stat, dof)
+
+
+def test_process_logits_filters():
+  logits = jnp.log(jnp.array([0.5, 0.25, 0.15, 0.1]))
+  kept = np.isfinite(np.asarray(verify.process_logits(logits, 1.0, top_k=2)))
+  assert kept.tolist() == [True, True, False, False]
+  kept = np.isfinite(np.asarray(verify.process_logits(logits, 1.0, top_p=0.7)))
+  assert kept.tolist() == [True, True, False, False]  # 0.5 < 0.7, 0.5 + 0.25 >= 0.7
+  kept = np.isfinite(np.asarray(verify.process_logits(logits, 1.0, top_p=0.4)))
+  assert kept.tolist() == [True, False, False, False]
+
+
+def test_bad_arguments(target, heads):
+  head = heads['causal']
+  prompt = [1, 2, 3]
+  with pytest.raises(ValueError, match='budget=0 must be >= 1'):
+    js.generate(target, head, prompt, budget=0)
+  with pytest.raises(ValueError, match='width=18 must be in'):
+    js.generate(target, head, prompt, width=18)
+  with pytest.raises(ValueError, match="method='tree' needs a draft head"):
+    js.generate(target, None, prompt)
+  with pytest.raises(ValueError, match='exceeds the model context'):
+    js.generate(target, head, np.ones(500, np.int32), max_new_tokens=8)
+  other = js.testing.tiny_target(0, vocab_size=19)
+  with pytest.raises(ValueError, match='vocab_size 17 != target vocab_size 19'):
+    js.generate(other, head, prompt)
+  with pytest.raises(ValueError, match='top_p'):
+    js.generate(target, head, prompt, temperature=1.0, top_p=0.0)
+  with pytest.raises(ValueError, match='tree_algorithm'):
+    js.generate(target, head, prompt, tree_algorithm='beam')
