@@ -11,14 +11,10 @@ import time
 
 import jax
 import numpy as np
-from absl import app, logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jetspec_jax as js
-
-_CONFIG = config_flags.DEFINE_config_file(
-  'config', 'experiments/configs/demo.py', 'Demo configuration.'
-)
 
 
 def run(config) -> dict:
@@ -76,8 +72,10 @@ def run(config) -> dict:
 def main(argv):
   del argv
   logging.info('JAX %s on %s', jax.__version__, jax.devices())
-  run(_CONFIG.value)
+  run(flags.FLAGS.config)
 
 
 if __name__ == '__main__':
+  # Flags are defined only when run as a binary, so tests can import several binaries.
+  config_flags.DEFINE_config_file('config', 'experiments/configs/demo.py', 'Demo configuration.')
   app.run(main)

@@ -72,8 +72,8 @@ def prefill(target: qwen3.Target, prompt, prompt_len, capacity: int, taps=()):
   positions = jnp.arange(pb, dtype=jnp.int32)[None]
   slots = jnp.where(positions < prompt_len, positions, capacity)
   cache = target.make_cache(1, capacity)
-  mask = qwen3.causal_mask(positions, capacity)
-  out = target.forward(prompt, cache, positions=positions, slots=slots, mask=mask, taps=taps)
+  # Causal by slot; padding rows come after every real row, so no real row sees them.
+  out = target.forward(prompt, cache, positions=positions, slots=slots, taps=taps)
   last = jax.lax.dynamic_index_in_dim(out.hidden, prompt_len - 1, axis=1, keepdims=False)
   return out.cache, target.lm_logits(last).astype(jnp.float32), out.taps
 

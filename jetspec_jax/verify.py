@@ -37,20 +37,6 @@ class Accepted(NamedTuple):
   bonus: Int[Array, ' B']  # the target's token after the last accepted node
 
 
-def tree_attention_mask(
-  anc: Bool[Array, 'B M M'], start: Int[Array, ' B'], capacity: int
-) -> Bool[Array, 'B M S']:
-  """Mask over cache slots: committed slots ``< start`` plus ancestor-or-self tree slots."""
-  m = anc.shape[-1]
-  slots = jnp.arange(capacity)[None, None, :]
-  rel = slots - start[:, None, None]
-  in_tree = (rel >= 0) & (rel < m)
-  tree_part = jnp.take_along_axis(
-    anc, jnp.broadcast_to(jnp.clip(rel, 0, m - 1), anc.shape[:2] + (capacity,)), axis=2
-  )
-  return (slots < start[:, None, None]) | (in_tree & tree_part)
-
-
 def verify_tree(
   target: qwen3.Target,
   cache: kv_lib.KVCache,
@@ -63,7 +49,7 @@ def verify_tree(
   m = tree.tokens.shape[-1]
   positions = start[:, None] + tree.depths
   slots = start[:, None] + jnp.arange(m, dtype=jnp.int32)[None]
-  mask = tree_attention_mask(anc, start, cache.capacity)
+  mask = qwen3.TailMask(start, anc)
   out = target.forward(tree.tokens, cache, positions=positions, slots=slots, mask=mask, taps=taps)
   logits = target.lm_logits(out.hidden).astype(jnp.float32)
   return Verified(logits, out.taps, out.cache)

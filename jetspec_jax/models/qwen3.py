@@ -29,6 +29,7 @@ import numpy as np
 
 from jetspec_jax import kv_cache as kv_lib
 from jetspec_jax.typing import Array, Bool, Float, Int
+from pallas_kernels import tree_attention as tree_attention_kernel
 
 ATTN_IMPLS = ('xla', 'pallas')
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -181,6 +182,30 @@ def rope(x: Float[Array, 'B T N H'], positions: Int[Array, 'B T'], theta: float)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+class TailMask(NamedTuple):
+  """A structured attention mask: committed prefix + the new tokens' own (tail) relation.
+
+  New token ``t`` (written at slot ``prefix_len + t``) sees every slot ``< prefix_len`` and, among
+  the new tokens, itself and its ancestors (``ancestors[b, t, j]``), or every ``j <= t`` when
+  ``ancestors`` is None (causal: chunked prefill, decode). Both attention implementations take
+  it; only the XLA path also takes an arbitrary dense mask.
+  """
+
+  prefix_len: Int[Array, ' B']
+  ancestors: Bool[Array, 'B T T'] | None = None
+
+  def to_dense(self, num_new: int, capacity: int) -> Bool[Array, 'B T S']:
+    slots = jnp.arange(capacity)[None, None, :]
+    rel = slots - self.prefix_len[:, None, None]
+    prefix = slots < self.prefix_len[:, None, None]
+    if self.ancestors is None:
+      tail = (rel >= 0) & (rel <= jnp.arange(num_new)[None, :, None])
+    else:
+      idx = jnp.broadcast_to(jnp.clip(rel, 0, num_new - 1), self.ancestors.shape[:2] + (capacity,))
+      tail = (rel >= 0) & (rel < num_new) & jnp.take_along_axis(self.ancestors, idx, axis=2)
+    return prefix | tail
+
+
 def attention_xla(
   q: Float[Array, 'B T N H'],
   k: Float[Array, 'B S K H'],
@@ -221,9 +246,20 @@ class Attention(nn.Module):
     k = rope(k, positions, cfg.rope_theta)
     cache_k = kv_lib.write_slots(cache_k, slots, k)
     cache_v = kv_lib.write_slots(cache_v, slots, v)
-    if self.attn_impl != 'xla':
-      raise NotImplementedError(f'attn_impl={self.attn_impl!r} is not available; use "xla"')
-    out = attention_xla(q, cache_k, cache_v, mask)
+    if self.attn_impl == 'pallas':
+      # The kernel reads the prefix from the cache and the tail from k/v directly.
+      out = tree_attention_kernel.tree_attention(
+        q,
+        k,
+        v,
+        cache_k,
+        cache_v,
+        mask.prefix_len,
+        mask.ancestors,
+        interpret=jax.default_backend() == 'cpu',
+      )
+    else:
+      out = attention_xla(q, cache_k, cache_v, mask)
     out = dense(cfg.hidden_size, axis=(-2, -1), name='o_proj')(out)
     return out, cache_k, cache_v
 
@@ -429,7 +465,7 @@ def forward(
   cfg: Qwen3Config,
   positions: Int[Array, 'B T'] | None = None,
   slots: Int[Array, 'B T'] | None = None,
-  mask: Bool[Array, 'B T S'] | None = None,
+  mask: 'Bool[Array, "B T S"] | TailMask | None' = None,
   taps: tuple[int, ...] = (),
   attn_impl: str = 'xla',
 ) -> ForwardOutput:
@@ -441,10 +477,12 @@ def forward(
     cache: the KV cache; the new tokens' K/V are written at ``slots``.
     cfg: the architecture.
     positions: ``int32[B, T]`` RoPE positions; defaults to ``cache.lengths[:, None] + arange(T)``.
-    slots: ``int32[B, T]`` cache slots to write; defaults to ``positions``. Slots ``>= S`` are
-      dropped (use them for padding rows).
-    mask: ``bool[B, T, S]`` which cache slots (after the write) each new token attends to;
-      defaults to :func:`causal_mask` of ``slots``.
+    slots: ``int32[B, T]`` cache slots to write; defaults to ``prefix_len + arange(T)`` with a
+      :class:`TailMask`, else to ``positions``. Slots ``>= S`` are dropped (padding rows).
+    mask: which cache slots (after the write) each new token attends to: a dense
+      ``bool[B, T, S]`` (XLA path only), a :class:`TailMask`, or None for causal (query ``t``
+      sees slots ``<= slots[t]``; on the Pallas path: ``TailMask(cache.lengths)``, which assumes
+      the new tokens sit at slots ``lengths + t``).
     taps: layer ids whose output residual stream is returned, concatenated in this order.
     attn_impl: ``'xla'`` (dense-mask reference) or ``'pallas'``.
 
@@ -457,10 +495,19 @@ def forward(
   if positions is None:
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
   if slots is None:
-    slots = positions
-  if mask is None:
+    # A TailMask places the new tokens right after the prefix; otherwise slot == position.
+    offsets = jnp.arange(t, dtype=jnp.int32)[None]
+    slots = mask.prefix_len[:, None] + offsets if isinstance(mask, TailMask) else positions
+  if attn_impl == 'pallas':
+    if mask is None:
+      mask = TailMask(cache.lengths)
+    elif not isinstance(mask, TailMask):
+      raise ValueError("attn_impl='pallas' needs a TailMask (or None for causal), not a dense mask")
+  elif mask is None:
     mask = causal_mask(slots, cache.capacity)
-  elif mask.shape != (b, t, cache.capacity):
+  elif isinstance(mask, TailMask):
+    mask = mask.to_dense(t, cache.capacity)
+  if not isinstance(mask, TailMask) and mask.shape != (b, t, cache.capacity):
     raise ValueError(f'mask must have shape [B, T, S]={(b, t, cache.capacity)}, got {mask.shape}')
   model = Qwen3(cfg, cache.dtype, attn_impl)
   hidden, new_k, new_v, features = model.apply(
