@@ -95,27 +95,46 @@ class Sampling:
 
 
 @functools.partial(jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling'))
-def ar_loop(target, prompt, prompt_len, key, *, capacity, max_new_tokens, sampling: Sampling):
-  """Autoregressive decoding on device. Returns (tokens ``[max_new_tokens]``, count)."""
-  cache, last_logits, _ = prefill(target, prompt, prompt_len, capacity)
+def ar_loop(target, prompts, prompt_lens, key, *, capacity, max_new_tokens, sampling: Sampling):
+  """Batched autoregressive decoding on device.
+
+  Args:
+    prompts: ``int32[B, Pb]`` right-padded prompts.
+    prompt_lens: ``int32[B]`` true lengths.
+
+  Returns:
+    (tokens ``int32[B, max_new_tokens]``, counts ``int32[B]``): sequence ``b`` generated
+    ``counts[b]`` tokens (EOS included); it stops at EOS while the others go on.
+  """
+  b, pb = prompts.shape
+  positions = jnp.broadcast_to(jnp.arange(pb, dtype=jnp.int32)[None], (b, pb))
+  slots = jnp.where(positions < prompt_lens[:, None], positions, capacity)
+  fwd = target.forward(prompts, target.make_cache(b, capacity), positions=positions, slots=slots)
+  last = jnp.take_along_axis(fwd.hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
   key, sub = jax.random.split(key)
-  first = sampling.sample(last_logits[0], sub)
-  out = jnp.zeros((max_new_tokens,), jnp.int32).at[0].set(first)
+  first = sampling.sample(target.lm_logits(last).astype(jnp.float32), sub)
+  out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
+  counts = jnp.ones((b,), jnp.int32)
 
   def cond(state):
-    i, tok, *_ = state
-    return (i < max_new_tokens) & ~sampling.is_eos(tok)
+    i, _, done, *_ = state
+    return (i < max_new_tokens) & ~jnp.all(done)
 
   def body(state):
-    i, tok, cache, out, key = state
-    fwd = target.forward(tok[None, None], cache)
-    logits = target.lm_logits(fwd.hidden[0, 0]).astype(jnp.float32)
+    i, tok, done, counts, cache, out, key = state
+    step = target.forward(tok[:, None], cache)
+    logits = target.lm_logits(step.hidden[:, 0]).astype(jnp.float32)
     key, sub = jax.random.split(key)
     nxt = sampling.sample(logits, sub)
-    return i + 1, nxt, fwd.cache, out.at[i].set(nxt), key
+    out = out.at[:, i].set(jnp.where(done, 0, nxt))
+    counts = counts + (~done).astype(jnp.int32)
+    done = done | sampling.is_eos(nxt)
+    return i + 1, nxt, done, counts, step.cache, out, key
 
-  n, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), first, cache, out, key))
-  return out, n
+  done = sampling.is_eos(first)
+  init = (jnp.int32(1), first, done, counts, fwd.cache, out, key)
+  _, _, _, counts, _, out, _ = jax.lax.while_loop(cond, body, init)
+  return out, counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +311,7 @@ def generate(
     out, n = ar_loop(
       target,
       prompt,
-      prompt_len,
+      prompt_len[None],
       key,
       capacity=capacity,
       max_new_tokens=max_new_tokens,
@@ -300,7 +319,7 @@ def generate(
     )
     out, n = jax.device_get((out, n))
     wall = time.perf_counter() - start
-    tokens = _truncate(out, int(n), max_new_tokens, eos)
+    tokens = _truncate(out[0], int(n[0]), max_new_tokens, eos)
     stats = GenerationStats(
       tau=np.ones((len(tokens) - 1,), np.int32),
       rounds=len(tokens) - 1,

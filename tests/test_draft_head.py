@@ -30,9 +30,11 @@ def block_hidden(head, ctx_feats, x):
   c = ctx_feats.shape[0]
   cache = head.extend_context(head.make_cache(1, c), ctx_feats[None], jnp.array([c]))
   positions = c + jnp.arange(head.cfg.block_size)[None]
-  mask = dh.block_mask(head.cfg, jnp.array([c]), c)
+  ctx_mask, blk_mask = dh.block_mask(head.cfg, jnp.array([c]), c)
   module = dh.DraftHeadModule(head.cfg)
-  return module.apply({'params': head.params}, x[None], positions, cache.k, cache.v, mask)[0]
+  return module.apply(
+    {'params': head.params}, x[None], positions, cache.k, cache.v, ctx_mask, blk_mask
+  )[0]
 
 
 @pytest.mark.parametrize('causal', [True, False])
@@ -90,7 +92,8 @@ def test_cached_equals_uncached_across_rounds(target):
 
 def test_block_mask_picture():
   cfg = dh.config_for_target(js.qwen3.tiny(), block_size=3)
-  mask = np.asarray(dh.block_mask(cfg, jnp.array([2]), 4))[0].astype(int)
+  ctx, blk = dh.block_mask(cfg, jnp.array([2]), 4)
+  mask = np.concatenate([np.asarray(ctx)[0], np.asarray(blk)], axis=1).astype(int)
   np.testing.assert_array_equal(
     mask, [[1, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 1, 1, 1]]
   )
@@ -195,3 +198,16 @@ def test_propose_rejects_bad_features(target):
     head.propose(jnp.zeros((3, 7)), 1)
   with pytest.raises(ValueError, match=r'\[C, n_taps\*D\]'):
     head.propose(jnp.zeros((7,)), 1)
+
+
+def test_qwen3_8b_head_has_the_released_parameter_count():
+  """5 layers, taps [1, 9, 17, 25, 33] on Qwen3-8B: 1,048,626,432 parameters (spec §B.1)."""
+  cfg = dh.config_for_target(
+    js.qwen3.qwen3_8b(),
+    num_layers=5,
+    block_size=16,
+    target_layer_ids=(1, 9, 17, 25, 33),
+    mask_token_id=151669,
+  )
+  shapes = jax.eval_shape(lambda: dh.init_head_params(cfg, jax.random.key(0), jnp.bfloat16))
+  assert js.qwen3.count_params(shapes) == 1_048_626_432

@@ -182,15 +182,52 @@ class DraftLayer(nn.Module):
     """Post-RoPE K/V of fused context rows (no input_layernorm on the context)."""
     return self.keys_values(context, positions)
 
-  def __call__(self, x, positions, ctx_k, ctx_v, mask):
-    """x ``[B, Q, D]`` block stream; ctx ``[B, S, K, H]``; mask ``[B, Q, S + Q]``."""
+  def __call__(self, x, positions, ctx_k, ctx_v, ctx_mask, blk_mask):
+    """Block stream ``x [B, T, D]`` attending to context K/V and to its own block.
+
+    Args:
+      x: ``[B, T, D]`` block rows (``B`` sequences at inference, ``B`` blocks in training).
+      positions: ``[B, T]`` absolute positions of the block rows.
+      ctx_k, ctx_v: ``[C, S, K, H]`` context K/V, ``C == B`` or ``C == 1`` (one context shared
+        by every block, as in training).
+      ctx_mask: ``bool[B, T, S]`` visible context slots.
+      blk_mask: ``bool[T, T]`` visible block keys (causal or full).
+    """
     h = self.input_layernorm(x)
     q = qwen3.rope(self.q_norm(self.q_proj(h)), positions, self.cfg.rope_theta)
     k, v = self.keys_values(h, positions)
-    keys = jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], axis=1)
-    values = jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], axis=1)
-    x = x + self.o_proj(qwen3.attention_xla(q, keys, values, mask))
+    out = context_block_attention(q, ctx_k, ctx_v, k, v, ctx_mask, blk_mask)
+    x = x + self.o_proj(out)
     return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def context_block_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_mask, blk_mask):
+  """One softmax over ``[context keys | block keys]`` (float32), GQA.
+
+  ``q [B, T, N, H]``, ``ctx_k/v [C, S, K, H]`` with ``C in (1, B)``, ``blk_k/v [B, T, K, H]``,
+  ``ctx_mask [B, T, S]``, ``blk_mask [T, T]``. A shared context (``C == 1``) is never repeated
+  per block, so training with many blocks over one long context stays linear in both.
+  """
+  b, t, n, hd = q.shape
+  kh = blk_k.shape[2]
+  q = q.reshape(b, t, kh, n // kh, hd)
+  scale = hd**-0.5
+  f32 = jnp.float32
+  if ctx_k.shape[0] == 1:
+    s_ctx = jnp.einsum('BTKGH,SKH->BKGTS', q, ctx_k[0], preferred_element_type=f32)
+  else:
+    s_ctx = jnp.einsum('BTKGH,BSKH->BKGTS', q, ctx_k, preferred_element_type=f32)
+  s_blk = jnp.einsum('BTKGH,BPKH->BKGTP', q, blk_k, preferred_element_type=f32)
+  s_ctx = jnp.where(ctx_mask[:, None, None], s_ctx * scale, qwen3._MASK_VALUE)
+  s_blk = jnp.where(blk_mask[None, None, None], s_blk * scale, qwen3._MASK_VALUE)
+  probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
+  p_ctx, p_blk = probs[..., : s_ctx.shape[-1]], probs[..., s_ctx.shape[-1] :]
+  if ctx_v.shape[0] == 1:
+    out = jnp.einsum('BKGTS,SKH->BTKGH', p_ctx.astype(ctx_v.dtype), ctx_v[0])
+  else:
+    out = jnp.einsum('BKGTS,BSKH->BTKGH', p_ctx.astype(ctx_v.dtype), ctx_v)
+  out = out + jnp.einsum('BKGTP,BPKH->BTKGH', p_blk.astype(blk_v.dtype), blk_v)
+  return out.reshape(b, t, n, hd)
 
 
 class DraftHeadModule(nn.Module):
@@ -212,14 +249,14 @@ class DraftHeadModule(nn.Module):
     kvs = [layer.context_kv(c, positions) for layer in self.layers]
     return tuple(k for k, _ in kvs), tuple(v for _, v in kvs)
 
-  def __call__(self, x, positions, ctx_k, ctx_v, mask):
+  def __call__(self, x, positions, ctx_k, ctx_v, ctx_mask, blk_mask):
     for i, layer in enumerate(self.layers):
-      x = layer(x, positions, ctx_k[i], ctx_v[i], mask)
+      x = layer(x, positions, ctx_k[i], ctx_v[i], ctx_mask, blk_mask)
     return self.norm(x)
 
-  def init_all(self, features, x, positions, mask):
+  def init_all(self, features, x, positions, ctx_mask, blk_mask):
     ctx_k, ctx_v = self.context_kv(features, positions)
-    return self(x, positions, ctx_k, ctx_v, mask)
+    return self(x, positions, ctx_k, ctx_v, ctx_mask, blk_mask)
 
 
 def init_head_params(cfg: DraftHeadConfig, key, dtype=jnp.float32) -> dict:
@@ -227,23 +264,32 @@ def init_head_params(cfg: DraftHeadConfig, key, dtype=jnp.float32) -> dict:
   features = jnp.zeros((1, 1, cfg.num_taps * cfg.hidden_size), dtype)
   x = jnp.zeros((1, 1, cfg.hidden_size), dtype)
   positions = jnp.zeros((1, 1), jnp.int32)
-  mask = jnp.ones((1, 1, 2), bool)
+  ctx_mask, blk_mask = jnp.ones((1, 1, 1), bool), jnp.ones((1, 1), bool)
   module = DraftHeadModule(cfg, dtype)
-  return module.init(key, features, x, positions, mask, method=DraftHeadModule.init_all)['params']
+  return module.init(
+    key, features, x, positions, ctx_mask, blk_mask, method=DraftHeadModule.init_all
+  )['params']
 
 
 # --------------------------------------------------------------------------------------------
 # Masks.
 
 
+def in_block_mask(cfg: DraftHeadConfig) -> Bool[Array, 'T T']:
+  """Block key ``j`` visible to block query ``i``: ``j <= i`` (causal) or always (full)."""
+  bs = cfg.block_size
+  if cfg.causal:
+    return jnp.arange(bs)[None, :] <= jnp.arange(bs)[:, None]
+  return jnp.ones((bs, bs), bool)
+
+
 def block_mask(
   cfg: DraftHeadConfig, anchor_pos: Int[Array, ' B'], capacity: int
-) -> Bool[Array, 'B Q S']:
-  """Inference mask ``[B, bs, capacity + bs]`` over ``[context slots | block slots]``.
+) -> tuple[Bool[Array, 'B T S'], Bool[Array, 'T T']]:
+  """Inference masks: context slots ``[B, bs, capacity]`` and in-block ``[bs, bs]``.
 
   Context slot ``j`` holds the context token at position ``j``; it is visible iff
-  ``j < anchor_pos`` (strictly before the anchor). Block key ``j`` is visible to query ``i`` iff
-  ``j <= i`` (causal) or always (bidirectional). Built from positions only.
+  ``j < anchor_pos`` (strictly before the anchor). Built from positions only.
 
   Example, ``bs = 3``, causal, anchor at position 2, capacity 4 (``x`` visible)::
 
@@ -252,15 +298,9 @@ def block_mask(
       slot1   x    x    .    .   | x  x  .
       slot2   x    x    .    .   | x  x  x
   """
-  bs = cfg.block_size
   ctx = jnp.arange(capacity)[None, None, :] < anchor_pos[:, None, None]
-  ctx = jnp.broadcast_to(ctx, (anchor_pos.shape[0], bs, capacity))
-  if cfg.causal:
-    blk = jnp.arange(bs)[None, :] <= jnp.arange(bs)[:, None]
-  else:
-    blk = jnp.ones((bs, bs), bool)
-  blk = jnp.broadcast_to(blk[None], (anchor_pos.shape[0], bs, bs))
-  return jnp.concatenate([ctx, blk], axis=-1)
+  ctx = jnp.broadcast_to(ctx, (anchor_pos.shape[0], cfg.block_size, capacity))
+  return ctx, in_block_mask(cfg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -333,9 +373,11 @@ class DraftHead:
     x = self.target.embed(ids).astype(self.dtype)
     anchor_pos = cache.lengths
     positions = anchor_pos[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
-    mask = block_mask(cfg, anchor_pos, cache.capacity)
+    ctx_mask, blk_mask = block_mask(cfg, anchor_pos, cache.capacity)
     module = DraftHeadModule(cfg, self.dtype)
-    hidden = module.apply({'params': self.params}, x, positions, cache.k, cache.v, mask)
+    hidden = module.apply(
+      {'params': self.params}, x, positions, cache.k, cache.v, ctx_mask, blk_mask
+    )
     return self.target.lm_logits(hidden[:, 1:].astype(self.target.dtype)).astype(jnp.float32)
 
   def propose(

@@ -1,0 +1,45 @@
+"""Generates self-distilled training data: the target regenerates each prompt's response.
+
+  python -m experiments.generate_data --config=experiments/configs/draft_tiny.py --workdir=DIR
+
+Writes token shards to ``config.data.dir`` (or DIR/data); re-running skips finished shards.
+"""
+
+import pathlib
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jetspec_jax.training import data as data_lib
+from jetspec_jax.training import train as train_lib
+
+
+def run(config, workdir: str) -> list[pathlib.Path]:
+  target = train_lib.load_target_from_config(config.target)
+  prompts = data_lib.prompts_from_config(config.data, target.cfg.vocab_size)
+  return data_lib.generate_dataset(
+    target,
+    prompts,
+    config.data.dir or pathlib.Path(workdir) / 'data',
+    max_len=config.data.max_len,
+    max_new_tokens=config.data.max_new_tokens,
+    shard_size=config.data.shard_size,
+    batch_size=config.data.generate_batch,
+    temperature=config.data.temperature,
+    seed=config.seed,
+  )
+
+
+def main(argv):
+  del argv
+  logging.info('JAX %s on %s', jax.__version__, jax.devices())
+  paths = run(flags.FLAGS.config, flags.FLAGS.workdir)
+  print(f'{len(paths)} shards in {paths[0].parent}')
+
+
+if __name__ == '__main__':
+  config_flags.DEFINE_config_file('config', 'experiments/configs/draft_tiny.py', 'Data config.')
+  flags.DEFINE_string('workdir', None, 'Where data/ goes unless config.data.dir is set.')
+  flags.mark_flags_as_required(['workdir'])
+  app.run(main)

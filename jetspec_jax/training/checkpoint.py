@@ -1,0 +1,40 @@
+"""Training checkpoints (Orbax): params, optimizer state, step and data position.
+
+Resume order, first that exists wins: (1) the latest checkpoint in ``workdir/checkpoints``;
+(2) ``init_from``: a released-layout head directory whose weights start the run (fresh optimizer,
+step 0); (3) scratch. Restores go against an abstract state (shapes, dtypes, shardings), so a
+checkpoint written on one device layout restores onto another.
+"""
+
+import os
+import pathlib
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+
+
+def manager(workdir: str | os.PathLike, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
+  directory = pathlib.Path(workdir).absolute() / 'checkpoints'
+  options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+  return ocp.CheckpointManager(directory, options=options)
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state) -> None:
+  """Saves ``state`` (a pytree of arrays) at ``step`` and waits until it is on disk."""
+  mngr.save(step, args=ocp.args.StandardSave(state))
+  mngr.wait_until_finished()
+
+
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state):
+  """The latest checkpoint restored onto ``abstract_state``'s structure, or None."""
+  step = mngr.latest_step()
+  if step is None:
+    return None
+  logging.info('restoring checkpoint at step %d from %s', step, mngr.directory)
+  return mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
+
+
+def abstract_like(state):
+  """Shape/dtype/sharding structs of a concrete state (the restore target)."""
+  return jax.tree.map(ocp.utils.to_shape_dtype_struct, state)

@@ -1,0 +1,105 @@
+"""Draft-head losses: forward KL to the target at temperature T, or hard-label CE (spec §C.5).
+
+``L = T^2 * sum_m w_m KL(softmax(z_p[m]/T) || softmax(z_q[m]/T)) / sum_m w_m`` over active slots
+(non-anchor, valid), where ``z_p`` are the target's logits at position ``a+i-1`` and ``z_q`` the
+head's at slot ``i``. Vocabulary-sized logits are made a chunk of anchors at a time, in float32,
+inside a rematerialised scan, so those of all blocks never sit in memory together (forward or
+backward).
+"""
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.typing import Array
+
+LOSSES = ('fkl', 'ce')
+
+
+class LossSums(NamedTuple):
+  """Sums over one batch shard (divide after summing across devices).
+
+  Attributes:
+    loss: sum of weighted per-slot losses.
+    weight: sum of weights of active slots.
+    correct: ``[bs]`` per-depth count of head argmax == target argmax.
+    count: ``[bs]`` per-depth count of active slots.
+    accepted: sum over blocks of the leading run of correct slots (chain acceptance).
+    blocks: number of real blocks.
+  """
+
+  loss: Array
+  weight: Array
+  correct: Array
+  count: Array
+  accepted: Array
+  blocks: Array
+
+
+def block_losses(
+  head_hidden: Array,
+  teacher_hidden: Array,
+  targets: Array,
+  valid: Array,
+  keep: Array,
+  *,
+  lm_head: Callable[[Array], Array],
+  weights: Array,
+  loss: str = 'fkl',
+  temperature: float = 1.0,
+  chunk: int = 64,
+) -> LossSums:
+  """Loss sums for ``A`` blocks of one sequence.
+
+  Args:
+    head_hidden: ``[A, bs, D]`` the head's final-normed outputs.
+    teacher_hidden: ``[A, bs, D]`` the target's final-normed hidden at ``a+i-1``.
+    targets: ``int32[A, bs]`` ``x_{a+i}`` (the hard labels).
+    valid: ``bool[A, bs]`` active slots.
+    keep: ``bool[A]`` real blocks.
+    lm_head: hidden ``[..., D]`` -> logits ``[..., V]`` (the target's frozen head).
+    weights: ``[bs]`` depth weights.
+    loss: ``'fkl'`` or ``'ce'``.
+    temperature: distillation temperature (``'fkl'``).
+    chunk: anchors per chunk (rounded down to a divisor of ``A``).
+  """
+  if loss not in LOSSES:
+    raise ValueError(f'loss must be one of {LOSSES}, got {loss!r}')
+  a, bs, d = head_hidden.shape
+  chunk = math.gcd(a, max(1, min(chunk, a)))
+
+  def one_chunk(carry, xs):
+    hh, th, tgt, vld = xs
+    zq = lm_head(hh).astype(jnp.float32)
+    zp = jax.lax.stop_gradient(lm_head(th).astype(jnp.float32))
+    if loss == 'fkl':
+      log_q = jax.nn.log_softmax(zq / temperature, axis=-1)
+      log_p = jax.nn.log_softmax(zp / temperature, axis=-1)
+      per_slot = temperature**2 * jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    else:
+      log_q = jax.nn.log_softmax(zq, axis=-1)
+      per_slot = -jnp.take_along_axis(log_q, tgt[..., None], axis=-1)[..., 0]
+    w = jnp.where(vld, weights[None, :], 0.0)
+    correct = (jnp.argmax(zq, -1) == jnp.argmax(zp, -1)) & vld
+    run = jnp.sum(jnp.cumprod(correct[:, 1:], axis=1), axis=1)  # leading correct slots
+    out = (jnp.sum(w * per_slot), jnp.sum(w), jnp.sum(correct, 0), jnp.sum(vld, 0), jnp.sum(run))
+    return jax.tree.map(jnp.add, carry, out), None
+
+  def split(x):
+    return x.reshape((a // chunk, chunk) + x.shape[1:])
+
+  init = (
+    jnp.float32(0),
+    jnp.float32(0),
+    jnp.zeros((bs,), jnp.int32),
+    jnp.zeros((bs,), jnp.int32),
+    jnp.int32(0),
+  )
+  xs = tuple(map(split, (head_hidden, teacher_hidden, targets, valid)))
+  (loss_sum, weight_sum, correct, count, accepted), _ = jax.lax.scan(
+    jax.checkpoint(one_chunk), init, xs
+  )
+  return LossSums(loss_sum, weight_sum, correct, count, accepted, jnp.sum(keep))

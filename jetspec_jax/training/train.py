@@ -1,0 +1,437 @@
+"""Draft-head training by self-distillation: the jitted data-parallel step and the host loop.
+
+The frozen target runs once per sequence (``stop_gradient`` at one boundary, STYLE.md item 8) to
+give the tap features the head reads and the teacher's final hidden states; the optimizer only
+ever sees the head's parameters. ``train_step(state, batch, key) -> (state, metrics)`` is one
+``jit`` (donating the state) of a per-device function under ``jax.shard_map`` over the mesh's
+``'data'`` axis: each device computes loss *sums* over its sequences, and gradients and sums are
+``psum``-ed before dividing by the global active-slot weight, so a sharded step equals the
+single-device step on the same global batch.
+"""
+
+import dataclasses
+import json
+import math
+import pathlib
+import time
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from jax.sharding import PartitionSpec as P
+
+from jetspec_jax.models import draft_head as dh
+from jetspec_jax.models import qwen3
+from jetspec_jax.training import blocks as blocks_lib
+from jetspec_jax.training import losses
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+  def to_dict(self) -> dict:
+    return dict(step=self.step, params=self.params, opt_state=self.opt_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+  """Static settings of the loss (hashable)."""
+
+  num_anchors: int = 512
+  loss: str = 'fkl'
+  temperature: float = 1.0
+  gamma: float = 0.0
+  loss_chunk: int = 64
+
+
+def make_optimizer(
+  *,
+  lr: float,
+  steps: int,
+  warmup_steps: int,
+  weight_decay: float = 0.0,
+  grad_clip: float = 1.0,
+  final_lr_ratio: float = 0.0,
+):
+  """AdamW with linear warmup + cosine decay and global-norm clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=lr,
+    warmup_steps=max(1, warmup_steps),
+    decay_steps=max(steps, warmup_steps + 1),
+    end_value=lr * final_lr_ratio,
+  )
+  return optax.chain(
+    optax.clip_by_global_norm(grad_clip), optax.adamw(schedule, weight_decay=weight_decay)
+  )
+
+
+def init_state(params, optimizer) -> TrainState:
+  return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params))
+
+
+def target_pass(target: qwen3.Target, tokens, taps):
+  """The frozen target over ``tokens [B, L]``: (final hidden ``[B, L, D]``, taps ``[B, L, F]``)."""
+  b, seq_len = tokens.shape
+  out = target.forward(tokens, target.make_cache(b, seq_len), taps=taps)
+  return jax.lax.stop_gradient(out.hidden), jax.lax.stop_gradient(out.taps)
+
+
+def head_block_outputs(
+  params, head_cfg: dh.DraftHeadConfig, target: qwen3.Target, features, blk: blocks_lib.Blocks
+):
+  """The head's final-normed outputs ``[A, bs, D]`` for all blocks of one sequence.
+
+  The context K/V are computed once from ``features [L, F]`` and shared by every block (never
+  repeated per block); each block's mask keeps only its own context prefix.
+  """
+  seq_len = features.shape[0]
+  module = dh.DraftHeadModule(head_cfg, features.dtype)
+  ctx_k, ctx_v = module.apply(
+    {'params': params},
+    features[None],
+    jnp.arange(seq_len)[None],
+    method=dh.DraftHeadModule.context_kv,
+  )
+  return module.apply(
+    {'params': params},
+    target.embed(blk.tokens),
+    blk.positions,
+    ctx_k,
+    ctx_v,
+    blk.context_mask,
+    dh.in_block_mask(head_cfg),
+  )
+
+
+def sequence_sums(
+  params,
+  head_cfg: dh.DraftHeadConfig,
+  target: qwen3.Target,
+  tokens,
+  loss_mask,
+  length,
+  hidden,
+  features,
+  key,
+  settings: StepSettings,
+) -> losses.LossSums:
+  """Loss sums of one sequence's sampled blocks (spec §C.7)."""
+  blk = blocks_lib.make_blocks(
+    key,
+    tokens,
+    loss_mask,
+    length,
+    num_anchors=settings.num_anchors,
+    block_size=head_cfg.block_size,
+    mask_token_id=head_cfg.mask_token_id,
+  )
+  out = head_block_outputs(params, head_cfg, target, features, blk)
+  teacher = hidden[jnp.clip(blk.positions - 1, 0, tokens.shape[0] - 1)]
+  return losses.block_losses(
+    out,
+    teacher,
+    blk.targets,
+    blk.valid,
+    blk.keep,
+    lm_head=target.lm_logits,
+    weights=blocks_lib.depth_weights(head_cfg.block_size, settings.gamma),
+    loss=settings.loss,
+    temperature=settings.temperature,
+    chunk=settings.loss_chunk,
+  )
+
+
+def make_train_step(
+  target: qwen3.Target,
+  head_cfg: dh.DraftHeadConfig,
+  optimizer,
+  settings: StepSettings,
+  mesh: jax.sharding.Mesh,
+):
+  """Returns ``train_step(state, batch, key) -> (state, metrics)``.
+
+  ``batch`` holds ``tokens int32[B, L]``, ``loss_mask [B, L]``, ``lengths int32[B]`` and
+  ``index int32[B]`` (position in the global batch; the anchor key of sequence ``i`` is
+  ``fold_in(key, index[i])``). ``B`` must be a multiple of the mesh's ``'data'`` size.
+  """
+  taps = head_cfg.target_layer_ids
+
+  def local_step(state: TrainState, batch, key, target_params):
+    tgt = target.replace(params=target_params)
+    hidden, features = target_pass(tgt, batch['tokens'], taps)
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(batch['index'])
+
+    def loss_fn(params):
+      sums = jax.vmap(lambda *a: sequence_sums(params, head_cfg, tgt, *a, settings=settings))(
+        batch['tokens'], batch['loss_mask'], batch['lengths'], hidden, features, keys
+      )
+      sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums)
+      return sums.loss, sums
+
+    grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
+    sums = jax.tree.map(lambda x: jax.lax.psum(x, 'data'), sums)
+    weight = jnp.maximum(sums.weight, 1e-9)
+    grads = jax.tree.map(lambda g: jax.lax.psum(g, 'data') / weight, grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    count = jnp.maximum(sums.count, 1)
+    metrics = dict(
+      loss=sums.loss / weight,
+      grad_norm=optax.global_norm(grads),
+      accuracy=(sums.correct / count)[1:],  # depth 1 .. bs-1
+      expected_tau=1.0 + sums.accepted / jnp.maximum(sums.blocks, 1),
+      active_slots=sums.count.sum(),
+    )
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+  sharded = jax.shard_map(
+    local_step,
+    mesh=mesh,
+    in_specs=(P(), P('data'), P(), P()),
+    out_specs=(P(), P()),
+    check_vma=False,
+  )
+  jitted = jax.jit(sharded, donate_argnums=(0,))
+
+  def train_step(state, batch, key):
+    return jitted(state, batch, key, target.params)
+
+  return train_step
+
+
+def make_mesh(num_devices: int | None = None) -> jax.sharding.Mesh:
+  """A ``('data', 'model')`` mesh with every (or the first ``num_devices``) device on 'data'."""
+  devices = jax.devices()[: num_devices or jax.device_count()]
+  return jax.sharding.Mesh(np.array(devices).reshape(len(devices), 1), ('data', 'model'))
+
+
+class MetricWriter:
+  """Metrics to a JSON-lines file and TensorBoard event files."""
+
+  def __init__(self, workdir: pathlib.Path):
+    from tensorboardX import SummaryWriter
+
+    self._jsonl = open(workdir / 'metrics.jsonl', 'a')
+    self._tb = SummaryWriter(str(workdir / 'tensorboard'))
+
+  def write(self, step: int, metrics: dict) -> None:
+    flat = {}
+    for name, value in metrics.items():
+      value = np.asarray(value)
+      if value.ndim == 0:
+        flat[name] = float(value)
+      else:
+        flat.update({f'{name}/depth{i + 1}': float(v) for i, v in enumerate(value)})
+    for name, value in flat.items():
+      self._tb.add_scalar(name, value, step)
+    self._jsonl.write(json.dumps({'step': step, **flat}) + '\n')
+    self._jsonl.flush()
+
+  def close(self):
+    self._jsonl.close()
+    self._tb.close()
+
+
+def fit(
+  target: qwen3.Target,
+  head_cfg: dh.DraftHeadConfig,
+  batches,
+  workdir: str,
+  *,
+  steps: int,
+  optimizer,
+  settings: StepSettings,
+  seed: int = 0,
+  init_params=None,
+  log_every: int = 10,
+  checkpoint_every: int = 100,
+  stop_after: int | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+) -> tuple[TrainState, list[dict]]:
+  """The host loop: resume, step, log, guard against NaN, checkpoint.
+
+  Resume order: existing checkpoint in ``workdir`` > ``init_params`` (e.g. from ``init_from``) >
+  scratch (seeded). ``batches[s]`` is the global batch of step ``s``, so the data position of a
+  resumed run is its step. ``stop_after`` ends the run early at that step (for kill/resume
+  tests) after checkpointing it.
+
+  Returns:
+    (final state, logged metrics).
+  """
+  from jetspec_jax.training import checkpoint as ckpt
+
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  mesh = mesh or make_mesh()
+  if init_params is None:
+    init_params = dh.init_head_params(head_cfg, jax.random.key(seed), target.dtype)
+  state = init_state(init_params, optimizer)
+  mngr = ckpt.manager(workdir)
+  restored = ckpt.restore_latest(mngr, ckpt.abstract_like(state.to_dict()))
+  if restored is not None:
+    state = TrainState(**restored)
+  start_step = int(state.step)
+  train_step = make_train_step(target, head_cfg, optimizer, settings, mesh)
+  writer = MetricWriter(workdir)
+  history = []
+  base_key = jax.random.key(seed + 1)
+  last = min(steps, stop_after) if stop_after is not None else steps
+  tick, tokens = time.perf_counter(), 0
+  for step in range(start_step, last):
+    batch = batches[step]
+    state, metrics = train_step(state, batch, jax.random.fold_in(base_key, step))
+    metrics = jax.device_get(metrics)  # syncs every step (safe with many devices)
+    if not math.isfinite(float(metrics['loss'])):
+      raise FloatingPointError(f'non-finite loss {metrics["loss"]} at step {step}')
+    tokens += int(np.asarray(batch['lengths']).sum())
+    done = step + 1
+    if done % log_every == 0 or done == last:
+      elapsed = time.perf_counter() - tick
+      metrics = dict(metrics, tokens_per_s=tokens / max(elapsed, 1e-9))
+      tick, tokens = time.perf_counter(), 0
+      writer.write(done, metrics)
+      history.append({'step': done, **jax.tree.map(np.asarray, metrics)})
+      logging.info(
+        'step %d loss %.4f grad_norm %.3f expected_tau %.3f',
+        done,
+        metrics['loss'],
+        metrics['grad_norm'],
+        metrics['expected_tau'],
+      )
+    if done % checkpoint_every == 0 or done == last:
+      ckpt.save(mngr, done, state.to_dict())
+  writer.close()
+  mngr.close()
+  return state, history
+
+
+def load_target_from_config(target_config) -> qwen3.Target:
+  """``path``: a Hugging Face checkpoint; else a random ``preset`` (e.g. ``'tiny'``) + ``seed``."""
+  from jetspec_jax.models import hf_io
+
+  if target_config.get('path'):
+    return hf_io.load_target(target_config.path)
+  presets = {'tiny': qwen3.tiny, 'tiny_moe': qwen3.tiny_moe}
+  if target_config.preset not in presets:
+    raise ValueError(
+      f'unknown target preset {target_config.preset!r}; give a path or one of {sorted(presets)}'
+    )
+  cfg = presets[target_config.preset](**dict(target_config.get('overrides') or {}))
+  params = qwen3.init_params(cfg, jax.random.key(target_config.seed))
+  if target_config.get('param_scale', 1.0) != 1.0:
+    params = jax.tree.map(lambda x: x * target_config.param_scale, params)
+  return qwen3.Target(cfg=cfg, params=params)
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+  """Everything ``experiments/train_draft.py`` does: data, training, export, tau before/after."""
+  from jetspec_jax import decoding
+  from jetspec_jax.models import hf_io
+  from jetspec_jax.training import data as data_lib
+
+  workdir_path = pathlib.Path(workdir)
+  target = load_target_from_config(config.target)
+  head_cfg = dh.config_for_target(
+    target.cfg,
+    num_layers=config.head.num_layers,
+    block_size=config.head.block_size,
+    causal=config.head.causal,
+    target_layer_ids=tuple(config.head.target_layer_ids) if config.head.target_layer_ids else None,
+    intermediate_size=config.head.intermediate_size or None,
+    mask_token_id=config.head.get('mask_token_id'),
+  )
+  data_dir = pathlib.Path(config.data.dir or workdir_path / 'data')
+  prompts = data_lib.prompts_from_config(config.data, target.cfg.vocab_size)
+  if not list(data_dir.glob('shard_*.npz')) or config.data.regenerate_missing:
+    data_lib.generate_dataset(
+      target,
+      prompts,
+      data_dir,
+      max_len=config.data.max_len,
+      max_new_tokens=config.data.max_new_tokens,
+      shard_size=config.data.shard_size,
+      batch_size=config.data.generate_batch,
+      temperature=config.data.temperature,
+      seed=config.seed,
+    )
+  source = data_lib.TokenShards(data_dir, max_len=config.data.max_len)
+  batches = data_lib.make_batches(source, config.train.global_batch, config.seed)
+  optimizer = make_optimizer(
+    lr=config.train.lr,
+    steps=config.train.steps,
+    warmup_steps=config.train.warmup_steps,
+    weight_decay=config.train.weight_decay,
+    grad_clip=config.train.grad_clip,
+  )
+  settings = StepSettings(
+    num_anchors=config.train.num_anchors,
+    loss=config.train.loss,
+    temperature=config.train.temperature,
+    gamma=config.train.gamma,
+    loss_chunk=config.train.loss_chunk,
+  )
+  init_params = None
+  if config.train.init_from:
+    init_params = hf_io.load_draft_head(config.train.init_from, target).params
+  initial = dh.DraftHead(
+    cfg=head_cfg,
+    params=init_params or dh.init_head_params(head_cfg, jax.random.key(config.seed), target.dtype),
+    target=target,
+  )
+  eval_prompts = [np.asarray(p) for p in prompts[: config.eval.num_prompts]]
+
+  def mean_tau(h):
+    taus = [
+      decoding.generate(
+        target,
+        h,
+        p,
+        max_new_tokens=config.eval.max_new_tokens,
+        method=config.eval.method,
+        budget=config.eval.budget,
+        width=config.eval.width,
+      ).stats.tau
+      for p in eval_prompts
+    ]
+    return float(np.mean(np.concatenate(taus))) if taus else float('nan')
+
+  # Measured before training: the step donates (and so deletes) the initial parameters.
+  tau_before = mean_tau(initial)
+  state, history = fit(
+    target,
+    head_cfg,
+    batches,
+    workdir,
+    steps=config.train.steps,
+    optimizer=optimizer,
+    settings=settings,
+    seed=config.seed,
+    init_params=initial.params,
+    log_every=config.train.log_every,
+    checkpoint_every=config.train.checkpoint_every,
+    stop_after=config.train.get('stop_after'),
+  )
+  head = dh.DraftHead(cfg=head_cfg, params=state.params, target=target)
+  export_dir = workdir_path / 'export'
+  hf_io.save_draft_head(head, export_dir)
+  result = dict(
+    steps=int(state.step),
+    history=history,
+    export_dir=str(export_dir),
+    num_sequences=len(source),
+    num_tokens=source.num_tokens,
+  )
+  result.update(tau_before=tau_before, tau_after=mean_tau(head))
+  logging.info('tau before %.3f after %.3f', result['tau_before'], result['tau_after'])
+  (workdir_path / 'result.json').write_text(
+    json.dumps({k: v for k, v in result.items() if k != 'history'}, indent=2)
+  )
+  return result

@@ -1,0 +1,284 @@
+"""Draft-head training: blocks and masks, losses, the data-parallel step, resume, end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jetspec_jax as js
+from experiments.configs import draft_tiny
+from jetspec_jax.models import draft_head as dh
+from jetspec_jax.training import blocks as blocks_lib
+from jetspec_jax.training import data as data_lib
+from jetspec_jax.training import losses
+from jetspec_jax.training import train as train_lib
+
+VOCAB = 97
+
+
+@pytest.fixture(scope='module')
+def target():
+  return js.testing.tiny_target(0, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope='module')
+def head_cfg(target):
+  return dh.config_for_target(target.cfg, num_layers=1, block_size=6, target_layer_ids=(0, 2))
+
+
+@pytest.fixture(scope='module')
+def dataset(target, tmp_path_factory):
+  path = tmp_path_factory.mktemp('data')
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, VOCAB, size=rng.integers(4, 10)) for _ in range(24)]
+  data_lib.generate_dataset(
+    target, prompts, path, max_len=40, max_new_tokens=30, shard_size=8, batch_size=8, progress=False
+  )
+  return path, prompts
+
+
+def test_blocks_targets_and_validity():
+  tokens = jnp.arange(10, 20)
+  loss_mask = jnp.array([0, 0, 0, 1, 1, 1, 1, 1, 0, 0])  # response at 3..7, length 9
+  blk = blocks_lib.make_blocks(
+    jax.random.key(0),
+    tokens,
+    loss_mask,
+    jnp.int32(9),
+    num_anchors=8,
+    block_size=4,
+    mask_token_id=99,
+  )
+  keep = np.asarray(blk.keep)
+  assert sorted(np.asarray(blk.anchors)[keep].tolist()) == [3, 4, 5, 6]  # a and a+1 in response
+  assert keep.sum() == 4 and (np.asarray(blk.anchors)[~keep] == 0).all()
+  for k in np.flatnonzero(keep):
+    a = int(blk.anchors[k])
+    assert np.asarray(blk.tokens[k]).tolist() == [10 + a, 99, 99, 99]
+    assert np.asarray(blk.positions[k]).tolist() == [a, a + 1, a + 2, a + 3]
+    # Slot i is valid iff 1 <= i and a + i <= 7 (last response token), cut at the first gap.
+    want = [0] + [1 if a + i <= 7 else 0 for i in (1, 2, 3)]
+    assert np.asarray(blk.valid[k]).astype(int).tolist() == want
+    np.testing.assert_array_equal(
+      np.asarray(blk.targets[k])[np.asarray(blk.valid[k])], 10 + a + np.flatnonzero(want)
+    )
+    ctx = np.asarray(blk.context_mask[k, 0])
+    assert ctx[:a].all() and not ctx[a:].any()  # strictly before the anchor
+  assert not np.asarray(blk.valid)[~keep].any() and not np.asarray(blk.context_mask)[~keep].any()
+
+
+def test_anchor_sampling_is_uniform_without_replacement():
+  loss_mask = jnp.ones((12,), jnp.int32)
+  counts = np.zeros(12)
+  for seed in range(400):
+    anchors, keep = blocks_lib.sample_anchors(jax.random.key(seed), loss_mask, jnp.int32(12), 3)
+    a = np.asarray(anchors)[np.asarray(keep)]
+    assert len(set(a.tolist())) == 3 and (np.diff(a) > 0).all()
+    counts[a] += 1
+  assert counts[11] == 0  # a + 1 must exist
+  assert counts[:11].min() > 0.6 * counts[:11].mean()
+
+
+def test_no_leakage_from_later_context_or_other_blocks(target, head_cfg):
+  """A block's outputs (hence its loss) ignore taps at positions >= its anchor and other blocks."""
+  params = dh.init_head_params(head_cfg, jax.random.key(1))
+  rng = np.random.default_rng(0)
+  seq_len = 30
+  tokens = jnp.asarray(rng.integers(0, VOCAB, seq_len), jnp.int32)
+  loss_mask = jnp.ones((seq_len,), jnp.int32)
+  features = jnp.asarray(rng.normal(size=(seq_len, 2 * target.cfg.hidden_size)), jnp.float32)
+  blk = blocks_lib.make_blocks(
+    jax.random.key(3),
+    tokens,
+    loss_mask,
+    jnp.int32(seq_len),
+    num_anchors=4,
+    block_size=6,
+    mask_token_id=head_cfg.mask_token_id,
+  )
+  out = np.asarray(train_lib.head_block_outputs(params, head_cfg, target, features, blk))
+  anchors = np.asarray(blk.anchors)
+  k = 1
+  later = features.at[anchors[k] :].add(3.0)  # the anchor's own row and everything after
+  changed = np.asarray(train_lib.head_block_outputs(params, head_cfg, target, later, blk))
+  np.testing.assert_allclose(changed[k], out[k], atol=1e-6)
+  assert not np.allclose(changed[-1], out[-1])  # a later block does see those rows
+  other = blk._replace(tokens=blk.tokens.at[k + 1, 0].set((blk.tokens[k + 1, 0] + 1) % VOCAB))
+  changed = np.asarray(train_lib.head_block_outputs(params, head_cfg, target, features, other))
+  np.testing.assert_allclose(changed[k], out[k], atol=1e-6)
+  assert not np.allclose(changed[k + 1], out[k + 1])
+
+
+def test_losses_fkl_zero_at_teacher_and_ce_matches_formula(target):
+  rng = np.random.default_rng(0)
+  hidden = jnp.asarray(rng.normal(size=(4, 5, target.cfg.hidden_size)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, VOCAB, (4, 5)), jnp.int32)
+  valid = jnp.ones((4, 5), bool).at[:, 0].set(False)
+  keep = jnp.ones((4,), bool)
+  kw = dict(lm_head=target.lm_logits, weights=jnp.ones((5,)), chunk=2)
+  same = losses.block_losses(hidden, hidden, targets, valid, keep, loss='fkl', **kw)
+  assert abs(float(same.loss)) < 1e-5 and int(same.count.sum()) == 16
+  assert int(same.correct.sum()) == 16 and float(same.accepted) == 16.0
+  ce = losses.block_losses(hidden, hidden, targets, valid, keep, loss='ce', **kw)
+  logp = jax.nn.log_softmax(target.lm_logits(hidden), -1)
+  want = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0][:, 1:].sum()
+  np.testing.assert_allclose(float(ce.loss), float(want), rtol=1e-5)
+  weights = blocks_lib.depth_weights(5, 2.0)
+  np.testing.assert_allclose(
+    np.asarray(weights), [1, 1, np.exp(-0.5), np.exp(-1), np.exp(-1.5)], rtol=1e-6
+  )
+
+
+def make_step_inputs(dataset, global_batch=4):
+  source = data_lib.TokenShards(dataset[0], max_len=40)
+  return source, data_lib.make_batches(source, global_batch, seed=0)
+
+
+def test_overfits_a_fixed_batch(target, head_cfg, dataset):
+  """Same batch, same anchors every step: the loss falls by a large factor, accuracy rises."""
+  _, batches = make_step_inputs(dataset)
+  batch = batches[0]
+  optimizer = train_lib.make_optimizer(lr=1e-2, steps=150, warmup_steps=5)
+  settings = train_lib.StepSettings(num_anchors=8, loss='ce', loss_chunk=8)
+  step = train_lib.make_train_step(target, head_cfg, optimizer, settings, train_lib.make_mesh(1))
+  state = train_lib.init_state(dh.init_head_params(head_cfg, jax.random.key(0)), optimizer)
+  key = jax.random.key(5)
+  history = []
+  for _ in range(150):
+    state, metrics = step(state, batch, key)
+    history.append(jax.device_get(metrics))
+  first, last = history[0], history[-1]
+  assert last['loss'] < first['loss'] / 5, (first['loss'], last['loss'])
+  assert last['accuracy'].mean() > first['accuracy'].mean() + 0.3
+  assert last['expected_tau'] > first['expected_tau'] + 1.0
+
+
+def run_training(target, head_cfg, batches, workdir, **kwargs):
+  optimizer = train_lib.make_optimizer(lr=3e-3, steps=12, warmup_steps=2)
+  settings = train_lib.StepSettings(num_anchors=8, loss='fkl', loss_chunk=8)
+  return train_lib.fit(
+    target,
+    head_cfg,
+    batches,
+    str(workdir),
+    steps=12,
+    optimizer=optimizer,
+    settings=settings,
+    seed=0,
+    log_every=4,
+    checkpoint_every=4,
+    **kwargs,
+  )
+
+
+def test_kill_and_resume_equals_uninterrupted(target, head_cfg, dataset, tmp_path):
+  _, batches = make_step_inputs(dataset)
+  full, _ = run_training(target, head_cfg, batches, tmp_path / 'full')
+  stopped, _ = run_training(target, head_cfg, batches, tmp_path / 'resumed', stop_after=5)
+  assert int(stopped.step) == 5
+  resumed, _ = run_training(target, head_cfg, batches, tmp_path / 'resumed')
+  assert int(resumed.step) == 12
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6),
+    resumed.params,
+    full.params,
+  )
+  lines = (tmp_path / 'resumed' / 'metrics.jsonl').read_text().splitlines()
+  assert [json.loads(x)['step'] for x in lines] == [4, 5, 8, 12]
+  assert list((tmp_path / 'full' / 'tensorboard').iterdir())
+
+
+def test_nan_guard(target, head_cfg, dataset, tmp_path):
+  _, batches = make_step_inputs(dataset)
+  bad = jax.tree.map(lambda p: p * jnp.nan, dh.init_head_params(head_cfg, jax.random.key(0)))
+  with pytest.raises(FloatingPointError, match='non-finite loss .* at step 0'):
+    run_training(target, head_cfg, batches, tmp_path, init_params=bad)
+
+
+def test_two_device_step_equals_single_device(dataset):
+  """On 2 fake CPU devices the data-parallel step equals the 1-device step (same global batch)."""
+  script = f'''
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, numpy as np
+jax.config.update("jax_default_matmul_precision", "highest")
+import jetspec_jax as js
+from jetspec_jax.models import draft_head as dh
+from jetspec_jax.training import data as data_lib, train as train_lib
+assert jax.device_count() == 2
+target = js.testing.tiny_target(0, vocab_size={VOCAB})
+cfg = dh.config_for_target(target.cfg, num_layers=1, block_size=6, target_layer_ids=(0, 2))
+batches = data_lib.make_batches(data_lib.TokenShards("{dataset[0]}", max_len=40), 4, seed=0)
+opt = train_lib.make_optimizer(lr=3e-3, steps=10, warmup_steps=1)
+settings = train_lib.StepSettings(num_anchors=8, loss="fkl", loss_chunk=8)
+results = []
+for n in (1, 2):
+  step = train_lib.make_train_step(target, cfg, opt, settings, train_lib.make_mesh(n))
+  state = train_lib.init_state(dh.init_head_params(cfg, jax.random.key(0)), opt)
+  for s in range(3):
+    state, metrics = step(state, batches[s], jax.random.key(s))
+    jax.block_until_ready(state)
+  results.append((jax.device_get(state.params), float(metrics["loss"])))
+(p1, l1), (p2, l2) = results
+assert abs(l1 - l2) < 1e-5, (l1, l2)
+jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), p1, p2)
+print("OK", l1, l2)
+'''
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+  out = subprocess.run(
+    [sys.executable, '-c', script], capture_output=True, text=True, env=env, timeout=600
+  )
+  assert out.returncode == 0 and 'OK' in out.stdout, out.stderr[-3000:]
+
+
+def test_data_generation_resumes(target, dataset, tmp_path):
+  path, prompts = dataset
+  shards = sorted(path.glob('shard_*.npz'))
+  assert len(shards) == 3
+  first = np.load(shards[0])
+  assert first['tokens'].shape == (8, 40) and first['loss_mask'].dtype == np.uint8
+  n = len(prompts[0])
+  assert first['loss_mask'][0, :n].sum() == 0 and first['loss_mask'][0, n] == 1
+  # The response is the target's own greedy continuation.
+  want = js.generate(target, None, prompts[0], max_new_tokens=30, method='ar').tokens
+  np.testing.assert_array_equal(first['tokens'][0, n : n + len(want)], want[: 40 - n])
+  # Resume: only the missing shard is regenerated, identically.
+  copy = tmp_path / 'copy'
+  copy.mkdir()
+  for s in shards[:2]:
+    (copy / s.name).write_bytes(s.read_bytes())
+  before = {s.name: (copy / s.name).stat().st_mtime_ns for s in shards[:2]}
+  data_lib.generate_dataset(
+    target, prompts, copy, max_len=40, max_new_tokens=30, shard_size=8, batch_size=8, progress=False
+  )
+  assert {s.name: (copy / s.name).stat().st_mtime_ns for s in shards[:2]} == before
+  np.testing.assert_array_equal(
+    np.load(copy / shards[2].name)['tokens'], np.load(shards[2])['tokens']
+  )
+
+
+def test_prompts_from_jsonl(tmp_path):
+  path = tmp_path / 'p.jsonl'
+  path.write_text('{"prompt_ids": [1, 2, 3]}\n\n{"prompt": "ab"}\n')
+  with pytest.raises(ValueError, match='no tokenizer'):
+    data_lib.read_prompts_jsonl(path)
+  prompts = data_lib.read_prompts_jsonl(path, tokenize=lambda s: [ord(c) for c in s])
+  assert [p.tolist() for p in prompts] == [[1, 2, 3], [97, 98]]
+
+
+def test_train_draft_binary_end_to_end(tmp_path):
+  """The runlocal config: data, training with checkpoints, export, and a tau gain."""
+  result = train_lib.train_and_evaluate(draft_tiny.get_config('runlocal'), str(tmp_path))
+  assert result['steps'] == 120
+  assert sorted(p.name for p in (tmp_path / 'checkpoints').iterdir()) == ['120', '60']
+  target = train_lib.load_target_from_config(draft_tiny.get_config('runlocal').target)
+  head = js.load_draft_head(tmp_path / 'export', target)
+  assert head.cfg.block_size == 6 and head.cfg.causal
+  assert result['tau_after'] > result['tau_before'] + 0.3, result
+  saved = json.loads((tmp_path / 'result.json').read_text())
+  assert saved['tau_after'] == result['tau_after']
