@@ -8,7 +8,7 @@ The public API (DESIGN.md §4)::
   out = js.generate(target, head, prompt_ids, max_new_tokens=256, method='tree')
 """
 
-from jetspec_jax import kv_cache, testing, tree, verify
+from jetspec_jax import decoding, kv_cache, testing, tree, verify, viz
 from jetspec_jax.decoding import GenerateOutput, GenerationStats, generate
 from jetspec_jax.kv_cache import KVCache
 from jetspec_jax.models import draft_head, hf_io, qwen3
@@ -35,6 +35,7 @@ __all__ = [
   'Qwen3Config',
   'Target',
   'Tree',
+  'decoding',
   'draft_head',
   'generate',
   'hf_io',
@@ -47,4 +48,5 @@ __all__ = [
   'testing',
   'tree',
   'verify',
+  'viz',
 ]

@@ -9,6 +9,7 @@ prompts of similar lengths share one compilation.
 import dataclasses
 import functools
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -226,7 +227,19 @@ def speculative_loop(
   return out, n, taus, rounds
 
 
-def _prepare_prompt(target: qwen3.Target, prompt_ids, max_new_tokens: int, extra: int = 0):
+def _prepare_prompt(
+  target: qwen3.Target,
+  prompt_ids,
+  max_new_tokens: int,
+  extra: int = 0,
+  min_prompt_bucket: int = 0,
+  min_capacity: int = 0,
+):
+  """Right-pads the prompt to a power-of-two bucket; returns (prompt, length, capacity).
+
+  ``min_prompt_bucket`` / ``min_capacity`` let a caller share one compilation across prompts of
+  different lengths (a benchmark pads every prompt to the same shapes).
+  """
   ids = np.asarray(prompt_ids)
   if ids.ndim != 1:
     raise ValueError(f'prompt_ids must be a 1-D sequence of token ids, got shape {ids.shape}')
@@ -243,9 +256,9 @@ def _prepare_prompt(target: qwen3.Target, prompt_ids, max_new_tokens: int, extra
       f'prompt ({ids.size}) + max_new_tokens ({max_new_tokens}) + round overhang ({extra}) = '
       f'{needed} exceeds the model context {target.cfg.max_position_embeddings}'
     )
-  padded = np.zeros((1, bucket(ids.size)), np.int32)
+  padded = np.zeros((1, max(bucket(ids.size), min_prompt_bucket)), np.int32)
   padded[0, : ids.size] = ids
-  return jnp.asarray(padded), jnp.int32(ids.size), bucket(needed)
+  return jnp.asarray(padded), jnp.int32(ids.size), max(bucket(needed), min_capacity)
 
 
 def _truncate(tokens: np.ndarray, n: int, max_new_tokens: int, eos: int | None) -> np.ndarray:
@@ -272,6 +285,8 @@ def generate(
   seed: int = 0,
   eos_id: int | None = None,
   tree_algorithm: str = 'accum_logp',
+  min_prompt_bucket: int = 0,
+  min_capacity: int = 0,
 ) -> GenerateOutput:
   """Generates up to ``max_new_tokens`` tokens after ``prompt_ids``, on device.
 
@@ -290,6 +305,8 @@ def generate(
     seed: PRNG seed.
     eos_id: stop token; defaults to the target config's ``eos_token_id``.
     tree_algorithm: ``'accum_logp'`` or ``'top2gap'``.
+    min_prompt_bucket: pad the prompt to at least this many positions (shared compilations).
+    min_capacity: cache capacity of at least this many slots (shared compilations).
 
   Returns:
     A :class:`GenerateOutput`: the generated tokens (no prompt) and :class:`GenerationStats`.
@@ -306,7 +323,9 @@ def generate(
   sampling = Sampling(float(temperature), int(top_k), float(top_p), eos)
   key = jax.random.key(seed)
   if method == 'ar':
-    prompt, prompt_len, capacity = _prepare_prompt(target, prompt_ids, max_new_tokens)
+    prompt, prompt_len, capacity = _prepare_prompt(
+      target, prompt_ids, max_new_tokens, 0, min_prompt_bucket, min_capacity
+    )
     start = time.perf_counter()
     out, n = ar_loop(
       target,
@@ -346,7 +365,7 @@ def generate(
       )
     tree_settings = TreeSettings(budget=int(budget), width=int(width), algorithm=tree_algorithm)
   prompt, prompt_len, capacity = _prepare_prompt(
-    target, prompt_ids, max_new_tokens, extra=tree_settings.budget + bs
+    target, prompt_ids, max_new_tokens, tree_settings.budget + bs, min_prompt_bucket, min_capacity
   )
   start = time.perf_counter()
   out, n, taus, rounds = speculative_loop(
@@ -367,3 +386,57 @@ def generate(
     tau=np.asarray(taus[: int(rounds)]), rounds=int(rounds), new_tokens=len(tokens), wall_s=wall
   )
   return GenerateOutput(tokens=tokens, stats=stats)
+
+
+class RoundTrace(NamedTuple):
+  """One speculative round, kept whole for inspection (notebooks, debugging)."""
+
+  tree: tree_lib.Tree  # the drafted tree (no batch axis)
+  ancestors: jax.Array  # [M, M] ancestor-or-self mask
+  target_choices: jax.Array  # [M] the target's greedy token at every node
+  path: np.ndarray  # accepted node indices, root first
+  bonus: int  # the target's token after the accepted path
+  draft_logprobs: jax.Array  # [D, V] the head's per-depth log-probabilities
+
+
+def trace_first_round(
+  target: qwen3.Target,
+  head: draft_head_lib.DraftHead,
+  prompt_ids,
+  *,
+  budget: int = 32,
+  width: int = 4,
+  tree_algorithm: str = 'accum_logp',
+) -> RoundTrace:
+  """Runs prefill and the first greedy round step by step, returning every intermediate.
+
+  The same functions as :func:`speculative_round`, unjitted and unbatched where that reads
+  better; the committed tokens equal what ``generate`` commits in its first round.
+  """
+  draft_head_lib.check_fits_target(head.cfg, target.cfg)
+  head = head.replace(target=target)
+  prompt, prompt_len, capacity = _prepare_prompt(
+    target, prompt_ids, 1, budget + head.cfg.block_size
+  )
+  cache, last_logits, features = prefill(
+    target, prompt, prompt_len, capacity, taps=head.cfg.target_layer_ids
+  )
+  anchor = jnp.argmax(last_logits, -1).astype(jnp.int32)  # [1]
+  dcache = head.extend_context(head.make_cache(1, capacity), features, prompt_len[None])
+  draft_logits = head.propose_cached(dcache, anchor)[0]
+  ids, logprobs = tree_lib.topk_per_depth(draft_logits, width)
+  tree = tree_lib.TREE_BUILDERS[tree_algorithm](ids, logprobs, budget, anchor=anchor[0])
+  anc = tree.ancestor_mask(head.cfg.max_depth)
+  batched = jax.tree.map(lambda x: x[None], tree)
+  verified = verify_lib.verify_tree(target, cache, batched, anc[None])
+  choices = jnp.argmax(verified.logits, -1).astype(jnp.int32)
+  accepted = verify_lib.accept(batched, anc[None], choices, head.cfg.max_depth)
+  n = int(accepted.num_accepted[0])
+  return RoundTrace(
+    tree,
+    anc,
+    choices[0],
+    np.asarray(accepted.path[0, : n + 1]),
+    int(accepted.bonus[0]),
+    jax.nn.log_softmax(draft_logits, -1),
+  )

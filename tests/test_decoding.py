@@ -203,3 +203,14 @@ def test_bad_arguments(target, heads):
     js.generate(target, head, prompt, temperature=1.0, top_p=0.0)
   with pytest.raises(ValueError, match='tree_algorithm'):
     js.generate(target, head, prompt, tree_algorithm='beam')
+
+
+def test_trace_first_round_matches_generate(target, heads):
+  head = heads['causal']
+  prompt = js.testing.random_ids(3, (9,), VOCAB)
+  trace = decoding.trace_first_round(target, head, prompt, budget=16, width=3)
+  out = js.generate(target, head, prompt, max_new_tokens=20, method='tree', budget=16, width=3)
+  committed = [int(trace.tree.tokens[i]) for i in trace.path[1:]] + [trace.bonus]
+  assert out.stats.tau[0] == len(committed)
+  np.testing.assert_array_equal(out.tokens[1 : 1 + len(committed)], committed)
+  assert int(trace.tree.tokens[0]) == out.tokens[0]  # the anchor is the prefill's token

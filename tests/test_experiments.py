@@ -1,13 +1,67 @@
 """Each experiment binary's entry point runs end to end on its tiny config."""
 
-from experiments import demo
+import json
+
+import numpy as np
+import pytest
+
+import jetspec_jax as js
+from experiments import benchmark, demo, generate_data
+from experiments.configs import benchmark as benchmark_config
 from experiments.configs import demo as demo_config
+from experiments.configs import draft_qwen3_8b, draft_tiny, target_code_small
+
+ASSETS = {
+  'target': 'assets/target_code_small',
+  'jetspec': 'assets/jetspec_head_code_small',
+  'dflash': 'assets/dflash_head_code_small',
+}
 
 
-def test_demo_runs_on_tiny_config():
-  results = demo.run(demo_config.get_config('tiny'))
+def test_assets_load_and_shipped_heads_are_lossless():
+  """The embedded default loads; greedy tree == ar on a few HumanEval prompts, both heads."""
+  from jetspec_jax import prompts
+  from jetspec_jax.tokenizer import Tokenizer
+
+  target = js.load_target(ASSETS['target'])
+  tok = Tokenizer(ASSETS['target'])
+  assert tok.vocab_size == target.cfg.vocab_size and tok.eos_id == target.cfg.eos_token_id
+  for name in ('jetspec', 'dflash'):
+    head = js.load_draft_head(ASSETS[name], target)
+    assert head.cfg.causal == (name == 'jetspec') and head.cfg.mask_token_id == tok.mask_id
+    for _, text in prompts.humaneval_prompts(2):
+      ids = tok.encode(text)
+      want = js.generate(target, None, ids, max_new_tokens=24, method='ar').tokens
+      out = js.generate(target, head, ids, max_new_tokens=24, method='tree', budget=16, width=5)
+      np.testing.assert_array_equal(out.tokens, want)
+
+
+def test_demo_runs_on_tiny_config(tmp_path):
+  results = demo.run(demo_config.get_config('tiny'), str(tmp_path))
   assert set(results) == {'ar', 'chain', 'tree'}
-  assert results['ar']['tokens'] == 8 and all(r['tps'] > 0 for r in results.values())
+  saved = json.loads((tmp_path / 'demo.json').read_text())
+  for name in ('ar', 'chain', 'tree'):
+    assert set(saved['methods'][name]) == {'tau', 'tps', 'wall_s', 'tokens', 'speedup'}
+  assert saved['methods']['tree']['tau'] >= 1.0 and (tmp_path / 'demo_tau.png').exists()
+
+
+def test_benchmark_runs_on_tiny_config(tmp_path):
+  result = benchmark.run(benchmark_config.get_config('tiny'), str(tmp_path))
+  saved = json.loads((tmp_path / 'benchmark.json').read_text())
+  assert set(saved) == {
+    'config',
+    'device',
+    'backend',
+    'versions',
+    'num_prompts',
+    'rows',
+    'per_prompt',
+  }
+  settings = {r['setting'] for r in result['rows']}
+  assert {'ar', 'chain/jetspec', 'chain/dflash', 'tree/jetspec/accum_logp/32'} <= settings
+  for row in saved['rows']:
+    assert {'temperature', 'setting', 'tau', 'tps', 'speedup', 'tau_histogram'} <= set(row)
+  assert (tmp_path / 'benchmark.md').exists() and (tmp_path / 'benchmark.png').exists()
 
 
 def test_tree_attention_benchmark_runs_on_tiny_config(tmp_path):
@@ -20,9 +74,6 @@ def test_tree_attention_benchmark_runs_on_tiny_config(tmp_path):
 
 
 def test_generate_data_binary_runs_and_resumes(tmp_path):
-  from experiments import generate_data
-  from experiments.configs import draft_tiny
-
   config = draft_tiny.get_config('runlocal')
   paths = generate_data.run(config, str(tmp_path))
   assert len(paths) == 1 and paths[0].exists()
@@ -30,11 +81,34 @@ def test_generate_data_binary_runs_and_resumes(tmp_path):
   assert generate_data.run(config, str(tmp_path))[0].stat().st_mtime_ns == stamp
 
 
-def test_qwen3_8b_recipe_config():
-  from experiments.configs import draft_qwen3_8b
+def test_train_target_binary_on_tiny_config(tmp_path):
+  from jetspec_jax.training import lm
 
+  config = target_code_small.get_config('tiny')
+  result = lm.train_target(config, str(tmp_path))
+  assert result['steps'] == 6 and np.isfinite(result['val_loss'])
+  target = js.load_target(tmp_path / 'export')
+  assert target.cfg.vocab_size == 300
+  # Resume: a second call finds the final checkpoint and does no more steps.
+  assert lm.train_target(config, str(tmp_path))['steps'] == 6
+  lines = (tmp_path / 'metrics.jsonl').read_text().splitlines()
+  assert [json.loads(x)['step'] for x in lines] == [3, 6]
+
+
+def test_qwen3_8b_recipe_config():
   config = draft_qwen3_8b.get_config()
   assert tuple(config.head.target_layer_ids) == (1, 9, 17, 25, 33)
   assert config.head.block_size == 16 and config.head.num_layers == 5
   assert config.train.num_anchors == 512 and config.train.lr == 3e-4
   assert config.train.loss == 'fkl'
+
+
+@pytest.mark.parametrize('name', ['jetspec', 'dflash'])
+def test_code_small_head_configs(name):
+  from experiments.configs import draft_code_small
+
+  config = draft_code_small.get_config(name)
+  assert config.head.causal == (name == 'jetspec')
+  assert set(config.data.validation_modules) == set(
+    target_code_small.get_config().validation_modules
+  )

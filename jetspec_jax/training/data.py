@@ -50,7 +50,25 @@ def read_prompts_jsonl(
 
 
 def prompts_from_config(data_config, vocab_size: int) -> list[np.ndarray]:
-  """``prompts``: a JSON-lines path, or ``'random'`` (``num_prompts`` random-length prompts)."""
+  """Training prompts from ``data_config.prompts``.
+
+  * ``'random'``: ``num_prompts`` random prompts with lengths in ``prompt_len``;
+  * ``'stdlib_functions'``: signatures + docstrings of documented functions in the standard
+    library's training split (not the held-out ``validation_modules``), tokenized with the
+    tokenizer at ``tokenizer``;
+  * otherwise a JSON-lines path (see :func:`read_prompts_jsonl`).
+  """
+  if data_config.prompts == 'stdlib_functions':
+    from jetspec_jax import prompts as prompts_lib
+    from jetspec_jax.tokenizer import Tokenizer
+    from jetspec_jax.training import lm
+
+    train_files, _ = lm.stdlib_files(tuple(data_config.validation_modules))
+    texts = prompts_lib.function_prompts(train_files)
+    rng = np.random.default_rng(data_config.prompt_seed)
+    order = rng.permutation(len(texts))[: data_config.num_prompts]
+    tok = Tokenizer(data_config.tokenizer)
+    return [tok.encode(texts[i][1]) for i in order]
   if data_config.prompts == 'random':
     rng = np.random.default_rng(data_config.prompt_seed)
     lo, hi = data_config.prompt_len

@@ -1,0 +1,30 @@
+"""Benchmark of the embedded default: ar vs chain vs tree, both heads, several budgets.
+
+Run (the README's table):
+  python -m experiments.benchmark --config=experiments/configs/benchmark.py --workdir=benchmarks
+Smoke run (CI): ``--config=experiments/configs/benchmark.py:tiny``.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.target = 'assets/target_code_small'
+  config.heads = ml_collections.ConfigDict(
+    dict(jetspec='assets/jetspec_head_code_small', dflash='assets/dflash_head_code_small')
+  )
+  config.num_humaneval = 20
+  config.num_heldout = 10
+  config.validation_modules = ('json', 'csv', 'textwrap', 'fractions', 'statistics')
+  config.max_new_tokens = 96
+  config.width = 7
+  config.budgets = (8, 16, 32, 64, 128, 255)
+  config.tree_algorithms = ('accum_logp', 'top2gap')
+  config.temperatures = (0.0, 1.0)
+  if arg == 'tiny':
+    config.num_humaneval, config.num_heldout = 2, 1
+    config.max_new_tokens = 16
+    config.budgets = (8, 32)
+    config.tree_algorithms = ('accum_logp',)
+  return config

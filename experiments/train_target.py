@@ -1,0 +1,26 @@
+"""Trains the embedded default's target (and its tokenizer) from scratch; resumable.
+
+  python -m experiments.train_target --config=experiments/configs/target_code_small.py \
+      --workdir=runs/target_code_small
+"""
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jetspec_jax.training import lm
+
+
+def main(argv):
+  del argv
+  logging.info('JAX %s on %s', jax.__version__, jax.devices())
+  print(lm.train_target(flags.FLAGS.config, flags.FLAGS.workdir))
+
+
+if __name__ == '__main__':
+  config_flags.DEFINE_config_file(
+    'config', 'experiments/configs/target_code_small.py', 'Target config.'
+  )
+  flags.DEFINE_string('workdir', None, 'Checkpoints, tokenizer, metrics and export.')
+  flags.mark_flags_as_required(['workdir'])
+  app.run(main)

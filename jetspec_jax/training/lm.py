@@ -1,0 +1,221 @@
+"""Training a small Qwen3-architecture target from scratch (the embedded default, DESIGN.md §7).
+
+Corpus: the Python standard library sources of the running interpreter (a real code corpus every
+Python install carries), minus tests, split by module into train and validation. Tokenizer: a
+byte-level BPE trained on the training split with ``tokenizers``. Batches are packed windows of
+the token stream; batch ``s`` is a pure function of ``(seed, s)`` so a resumed run continues where
+it stopped. Checkpoints: the same Orbax module as head training.
+"""
+
+import json
+import math
+import pathlib
+import sysconfig
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+from jetspec_jax.models import qwen3
+from jetspec_jax.training import checkpoint as ckpt
+from jetspec_jax.training import train as train_lib
+
+EOS = '<|endoftext|>'
+SPECIAL_TOKENS = (EOS, '<|mask|>')
+_SKIP_PARTS = {'test', 'tests', 'idlelib', 'site-packages', 'turtledemo', 'lib2to3', '__pycache__'}
+
+
+def stdlib_files(
+  validation_modules: tuple[str, ...],
+) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+  """(train, validation) ``.py`` files of the standard library; validation = the named modules."""
+  root = pathlib.Path(sysconfig.get_paths()['stdlib'])
+  files = sorted(f for f in root.rglob('*.py') if not _SKIP_PARTS & set(f.relative_to(root).parts))
+  if not files:
+    raise FileNotFoundError(f'no standard-library sources under {root}')
+
+  def module(f):
+    rel = f.relative_to(root)
+    return rel.parts[0].removesuffix('.py')
+
+  val = [f for f in files if module(f) in validation_modules]
+  train = [f for f in files if module(f) not in validation_modules]
+  return train, val
+
+
+def read_texts(files) -> list[str]:
+  return [f.read_text(encoding='utf-8', errors='replace') for f in files]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, path: pathlib.Path):
+  """A byte-level BPE tokenizer (``tokenizer.json``) with ``<|endoftext|>`` and ``<|mask|>``."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size,
+    special_tokens=list(SPECIAL_TOKENS),
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
+  tok.train_from_iterator(texts, trainer)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tok.save(str(path))
+  return tok
+
+
+def encode_corpus(tok, texts: list[str]) -> np.ndarray:
+  """All texts, tokenized and joined with EOS, as one ``int32`` stream."""
+  eos = tok.token_to_id(EOS)
+  out = []
+  for enc in tok.encode_batch(texts):
+    out.append(np.asarray(enc.ids, np.int32))
+    out.append(np.array([eos], np.int32))
+  return np.concatenate(out)
+
+
+def batch_at(stream: np.ndarray, step: int, batch: int, seq_len: int, seed: int) -> np.ndarray:
+  """``int32[batch, seq_len + 1]`` random windows of the stream; a pure function of the step."""
+  rng = np.random.default_rng([seed, step])
+  starts = rng.integers(0, len(stream) - seq_len - 1, size=batch)
+  return np.stack([stream[s : s + seq_len + 1] for s in starts])
+
+
+def lm_loss(params, cfg: qwen3.Qwen3Config, windows):
+  """Mean next-token cross-entropy (float32) over ``windows[:, :-1] -> windows[:, 1:]``."""
+  inputs, labels = windows[:, :-1], windows[:, 1:]
+  target = qwen3.Target(cfg=cfg, params=params)
+  out = target.forward(inputs, target.make_cache(*inputs.shape))
+  logits = target.lm_logits(out.hidden).astype(jnp.float32)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+def make_lm_step(cfg: qwen3.Qwen3Config, optimizer):
+  @jax.jit
+  def step(state: train_lib.TrainState, windows):
+    loss, grads = jax.value_and_grad(lm_loss)(state.params, cfg, windows)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(loss=loss, grad_norm=optax.global_norm(grads))
+    return train_lib.TrainState(state.step + 1, params, opt_state), metrics
+
+  return step
+
+
+def evaluate(params, cfg, stream: np.ndarray, *, batch: int, seq_len: int, num_batches: int):
+  """Mean validation loss over fixed windows."""
+  loss_fn = jax.jit(lm_loss, static_argnums=1)
+  losses = [
+    float(loss_fn(params, cfg, batch_at(stream, i, batch, seq_len, seed=12345)))
+    for i in range(num_batches)
+  ]
+  return float(np.mean(losses))
+
+
+def train_target(config, workdir: str) -> dict:
+  """Tokenizer + target training with checkpoints; exports the HF layout to ``config.export_dir``.
+
+  Resumes from the latest checkpoint in ``workdir``. Returns final metrics.
+  """
+  from jetspec_jax.models import hf_io
+
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  train_files, val_files = stdlib_files(tuple(config.validation_modules))
+  train_texts, val_texts = read_texts(train_files), read_texts(val_files)
+  tok_path = workdir / 'tokenizer.json'
+  if tok_path.exists():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_path))
+  else:
+    tok = train_tokenizer(train_texts, config.vocab_size, tok_path)
+  train_stream = encode_corpus(tok, train_texts)
+  val_stream = encode_corpus(tok, val_texts)
+  logging.info(
+    'corpus: %d train files, %d tokens; %d validation files, %d tokens',
+    len(train_files),
+    len(train_stream),
+    len(val_files),
+    len(val_stream),
+  )
+  cfg = qwen3.Qwen3Config(
+    **config.model.to_dict(), vocab_size=tok.get_vocab_size(), eos_token_id=tok.token_to_id(EOS)
+  )
+  optimizer = train_lib.make_optimizer(
+    lr=config.lr,
+    steps=config.steps,
+    warmup_steps=config.warmup_steps,
+    weight_decay=config.weight_decay,
+    grad_clip=1.0,
+    final_lr_ratio=0.1,
+  )
+  state = train_lib.init_state(qwen3.init_params(cfg, jax.random.key(config.seed)), optimizer)
+  mngr = ckpt.manager(workdir, max_to_keep=2)
+  restored = ckpt.restore_latest(mngr, ckpt.abstract_like(state.to_dict()))
+  if restored is not None:
+    state = train_lib.TrainState(**restored)
+  step_fn = make_lm_step(cfg, optimizer)
+  log = open(workdir / 'metrics.jsonl', 'a')
+  tick = time.perf_counter()
+  start = int(state.step)
+  for step in range(start, config.steps):
+    windows = batch_at(train_stream, step, config.batch, config.seq_len, config.seed)
+    state, metrics = step_fn(state, windows)
+    done = step + 1
+    if done % config.log_every == 0 or done == config.steps:
+      loss = float(metrics['loss'])
+      if not math.isfinite(loss):
+        raise FloatingPointError(f'non-finite loss at step {done}')
+      elapsed = time.perf_counter() - tick
+      record = dict(
+        step=done,
+        loss=loss,
+        grad_norm=float(metrics['grad_norm']),
+        tokens_per_s=config.log_every * config.batch * config.seq_len / elapsed,
+      )
+      if done % config.eval_every == 0 or done == config.steps:
+        record['val_loss'] = evaluate(
+          state.params,
+          cfg,
+          val_stream,
+          batch=config.batch,
+          seq_len=config.seq_len,
+          num_batches=config.eval_batches,
+        )
+      log.write(json.dumps(record) + '\n')
+      log.flush()
+      logging.info('%s', record)
+      tick = time.perf_counter()
+    if done % config.checkpoint_every == 0 or done == config.steps:
+      ckpt.save(mngr, done, state.to_dict())
+  log.close()
+  mngr.close()
+  val_loss = evaluate(
+    state.params,
+    cfg,
+    val_stream,
+    batch=config.batch,
+    seq_len=config.seq_len,
+    num_batches=config.eval_batches,
+  )
+  target = qwen3.Target(cfg=cfg, params=state.params)
+  export = pathlib.Path(config.export_dir or workdir / 'export')
+  hf_io.save_target(target, export)
+  tok.save(str(export / 'tokenizer.json'))
+  result = dict(
+    steps=int(state.step),
+    val_loss=val_loss,
+    train_tokens=len(train_stream),
+    val_tokens=len(val_stream),
+    params=qwen3.count_params(state.params),
+    export_dir=str(export),
+  )
+  (workdir / 'result.json').write_text(json.dumps(result, indent=2))
+  return result
