@@ -17,17 +17,8 @@ from jetspec_jax.training import train as train_lib
 
 def run(config, workdir: str) -> list[pathlib.Path]:
   target = train_lib.load_target_from_config(config.target)
-  prompts = data_lib.prompts_from_config(config.data, target.cfg.vocab_size)
-  return data_lib.generate_dataset(
-    target,
-    prompts,
-    config.data.dir or pathlib.Path(workdir) / 'data',
-    max_len=config.data.max_len,
-    max_new_tokens=config.data.max_new_tokens,
-    shard_size=config.data.shard_size,
-    batch_size=config.data.generate_batch,
-    temperature=config.data.temperature,
-    seed=config.seed,
+  return data_lib.generate_from_config(
+    config, target, config.data.dir or pathlib.Path(workdir) / 'data'
   )
 
 

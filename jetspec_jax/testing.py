@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.models import qwen3
+from jetspec_jax.models.draft_head import random_draft_head  # noqa: F401  (a shared fixture)
 
 
 def tiny_target(
@@ -19,23 +20,6 @@ def tiny_target(
 def random_ids(seed: int, shape, vocab_size: int) -> np.ndarray:
   """Deterministic random token ids ``int32[shape]``."""
   return np.random.default_rng(seed).integers(0, vocab_size, size=shape, dtype=np.int32)
-
-
-def random_draft_head(
-  target: qwen3.Target,
-  *,
-  block_size: int = 8,
-  causal: bool = True,
-  seed: int = 0,
-  num_layers: int = 2,
-  **kwargs,
-):
-  """A random draft head that fits ``target`` (see :func:`draft_head.random_draft_head`)."""
-  from jetspec_jax.models import draft_head
-
-  return draft_head.random_draft_head(
-    target, block_size=block_size, causal=causal, seed=seed, num_layers=num_layers, **kwargs
-  )
 
 
 def random_tree(

@@ -81,6 +81,24 @@ def ancestor_or_self(parents: np.ndarray) -> np.ndarray:
   return anc
 
 
+def tree_forward(target, prefix, tokens, anc, capacity, taps=()):
+  """Prefill ``prefix``, then one masked forward over the tree nodes (a dense mask)."""
+  p, m = len(prefix), len(tokens)
+  depths = anc.sum(1) - 1
+  out = target.forward(jnp.asarray(prefix[None]), target.make_cache(1, capacity))
+  mask = np.zeros((1, m, capacity), bool)
+  mask[0, :, :p] = True
+  mask[0, :, p : p + m] = anc
+  return target.forward(
+    jnp.asarray(tokens[None]),
+    out.cache,
+    positions=jnp.asarray(p + depths[None]),
+    slots=jnp.asarray(p + np.arange(m)[None]),
+    mask=jnp.asarray(mask),
+    taps=taps,
+  )
+
+
 def test_tree_masked_forward_equals_path_forward(target):
   """Each tree node's logits and taps == a plain forward along its root-to-node path.
 
@@ -93,21 +111,8 @@ def test_tree_masked_forward_equals_path_forward(target):
   parents = random_parents(3, 11)
   tokens = js.testing.random_ids(4, (11,), vocab)
   anc = ancestor_or_self(parents)
-  depths = anc.sum(1) - 1
-  p, m, capacity = len(prefix), len(parents), 32
-
-  out = target.forward(jnp.asarray(prefix[None]), target.make_cache(1, capacity))
-  mask = np.zeros((1, m, capacity), bool)
-  mask[0, :, :p] = True
-  mask[0, :, p : p + m] = anc
-  tree = target.forward(
-    jnp.asarray(tokens[None]),
-    out.cache,
-    positions=jnp.asarray(p + depths[None]),
-    slots=jnp.asarray(p + np.arange(m)[None]),
-    mask=jnp.asarray(mask),
-    taps=TAPS,
-  )
+  m = len(parents)
+  tree = tree_forward(target, prefix, tokens, anc, 32, taps=TAPS)
   tree_logits = np.asarray(target.lm_logits(tree.hidden))[0]
   tree_taps = np.asarray(tree.taps)[0]
   for node in range(m):
@@ -125,19 +130,8 @@ def test_commit_path_makes_cache_equal_to_linear(target):
   parents = np.array([-1, 0, 0, 1, 2, 3, 3])
   tokens = js.testing.random_ids(6, (7,), vocab)
   anc = ancestor_or_self(parents)
-  depths = anc.sum(1) - 1
-  p, m, capacity = 6, 7, 16
-  out = target.forward(jnp.asarray(prefix[None]), target.make_cache(1, capacity))
-  mask = np.zeros((1, m, capacity), bool)
-  mask[0, :, :p] = True
-  mask[0, :, p : p + m] = anc
-  tree = target.forward(
-    jnp.asarray(tokens[None]),
-    out.cache,
-    positions=jnp.asarray(p + depths[None]),
-    slots=jnp.asarray(p + np.arange(m)[None]),
-    mask=jnp.asarray(mask),
-  )
+  p, capacity = 6, 16
+  tree = tree_forward(target, prefix, tokens, anc, capacity)
   path = np.array([[0, 1, 3, 5]])
   cache = js.kv_cache.commit_path(tree.cache, jnp.array([p]), jnp.asarray(path), jnp.array([3]))
   assert cache.lengths.tolist() == [p + 4]

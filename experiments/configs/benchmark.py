@@ -14,10 +14,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.heads = ml_collections.ConfigDict(
     dict(jetspec='assets/jetspec_head_code_small', dflash='assets/dflash_head_code_small')
   )
-  config.num_humaneval = 20
-  config.num_heldout = 10
+  config.num_humaneval = 16
+  config.num_heldout = 8
   config.validation_modules = ('json', 'csv', 'textwrap', 'fractions', 'statistics')
-  config.max_new_tokens = 96
+  config.max_new_tokens = 64
   config.width = 7
   config.budgets = (8, 16, 32, 64, 128, 255)
   config.tree_algorithms = ('accum_logp', 'top2gap')

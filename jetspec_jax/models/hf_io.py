@@ -107,9 +107,9 @@ def config_from_hf(hf: Mapping) -> qwen3.Qwen3Config:
   )
 
 
-def config_to_hf(cfg: qwen3.Qwen3Config, dtype=jnp.float32) -> dict:
-  """The Hugging Face ``config.json`` dict for ``cfg``."""
-  hf = dict(
+def _architecture_fields(cfg, dtype) -> dict:
+  """The ``config.json`` fields shared by targets and heads (same attribute names)."""
+  return dict(
     vocab_size=cfg.vocab_size,
     hidden_size=cfg.hidden_size,
     intermediate_size=cfg.intermediate_size,
@@ -122,10 +122,17 @@ def config_to_hf(cfg: qwen3.Qwen3Config, dtype=jnp.float32) -> dict:
     rms_norm_eps=cfg.rms_norm_eps,
     rope_theta=cfg.rope_theta,
     rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
-    tie_word_embeddings=cfg.tie_word_embeddings,
     attention_bias=False,
-    use_sliding_window=False,
     dtype=jnp.dtype(dtype).name,
+  )
+
+
+def config_to_hf(cfg: qwen3.Qwen3Config, dtype=jnp.float32) -> dict:
+  """The Hugging Face ``config.json`` dict for ``cfg``."""
+  hf = dict(
+    _architecture_fields(cfg, dtype),
+    tie_word_embeddings=cfg.tie_word_embeddings,
+    use_sliding_window=False,
     eos_token_id=cfg.eos_token_id,
   )
   if cfg.is_moe:
@@ -478,23 +485,10 @@ def head_config_from_hf(hf: Mapping) -> draft_head.DraftHeadConfig:
 
 def head_config_to_hf(cfg: draft_head.DraftHeadConfig, dtype=jnp.float32) -> dict:
   return dict(
+    _architecture_fields(cfg, dtype),
     architectures=[HEAD_ARCHITECTURE],
     model_type='qwen3',
-    hidden_size=cfg.hidden_size,
-    intermediate_size=cfg.intermediate_size,
-    num_hidden_layers=cfg.num_hidden_layers,
-    num_attention_heads=cfg.num_attention_heads,
-    num_key_value_heads=cfg.num_key_value_heads,
-    head_dim=cfg.head_dim,
-    vocab_size=cfg.vocab_size,
-    hidden_act='silu',
-    rms_norm_eps=cfg.rms_norm_eps,
-    rope_theta=cfg.rope_theta,
-    rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
-    max_position_embeddings=cfg.max_position_embeddings,
-    attention_bias=False,
     tie_word_embeddings=False,
-    dtype=jnp.dtype(dtype).name,
     block_size=cfg.block_size,
     num_target_layers=cfg.num_target_layers,
     dflash_config=dict(

@@ -182,6 +182,21 @@ def generate_dataset(
   return paths
 
 
+def generate_from_config(config, target: qwen3.Target, data_dir) -> list[pathlib.Path]:
+  """:func:`generate_dataset` with the prompts and settings of an experiment config."""
+  return generate_dataset(
+    target,
+    prompts_from_config(config.data, target.cfg.vocab_size),
+    data_dir,
+    max_len=config.data.max_len,
+    max_new_tokens=config.data.max_new_tokens,
+    shard_size=config.data.shard_size,
+    batch_size=config.data.generate_batch,
+    temperature=config.data.temperature,
+    seed=config.seed,
+  )
+
+
 def write_shard(path: pathlib.Path, sequences, masks, max_len: int) -> None:
   """Writes one shard atomically (temp file + rename)."""
   n = len(sequences)

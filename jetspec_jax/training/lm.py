@@ -162,6 +162,17 @@ def train_target(config, workdir: str) -> dict:
   if restored is not None:
     state = train_lib.TrainState(**restored)
   step_fn = make_lm_step(cfg, optimizer)
+
+  def val_loss_of(params):
+    return evaluate(
+      params,
+      cfg,
+      val_stream,
+      batch=config.batch,
+      seq_len=config.seq_len,
+      num_batches=config.eval_batches,
+    )
+
   log = open(workdir / 'metrics.jsonl', 'a')
   tick = time.perf_counter()
   start = int(state.step)
@@ -181,14 +192,7 @@ def train_target(config, workdir: str) -> dict:
         tokens_per_s=config.log_every * config.batch * config.seq_len / elapsed,
       )
       if done % config.eval_every == 0 or done == config.steps:
-        record['val_loss'] = evaluate(
-          state.params,
-          cfg,
-          val_stream,
-          batch=config.batch,
-          seq_len=config.seq_len,
-          num_batches=config.eval_batches,
-        )
+        record['val_loss'] = val_loss_of(state.params)
       log.write(json.dumps(record) + '\n')
       log.flush()
       logging.info('%s', record)
@@ -197,14 +201,7 @@ def train_target(config, workdir: str) -> dict:
       ckpt.save(mngr, done, state.to_dict())
   log.close()
   mngr.close()
-  val_loss = evaluate(
-    state.params,
-    cfg,
-    val_stream,
-    batch=config.batch,
-    seq_len=config.seq_len,
-    num_batches=config.eval_batches,
-  )
+  val_loss = val_loss_of(state.params)
   target = qwen3.Target(cfg=cfg, params=state.params)
   export = pathlib.Path(config.export_dir or workdir / 'export')
   hf_io.save_target(target, export)

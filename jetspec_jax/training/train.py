@@ -351,17 +351,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   data_dir = pathlib.Path(config.data.dir or workdir_path / 'data')
   prompts = data_lib.prompts_from_config(config.data, target.cfg.vocab_size)
   if not list(data_dir.glob('shard_*.npz')) or config.data.regenerate_missing:
-    data_lib.generate_dataset(
-      target,
-      prompts,
-      data_dir,
-      max_len=config.data.max_len,
-      max_new_tokens=config.data.max_new_tokens,
-      shard_size=config.data.shard_size,
-      batch_size=config.data.generate_batch,
-      temperature=config.data.temperature,
-      seed=config.seed,
-    )
+    data_lib.generate_from_config(config, target, data_dir)
   source = data_lib.TokenShards(data_dir, max_len=config.data.max_len)
   batches = data_lib.make_batches(source, config.train.global_batch, config.seed)
   optimizer = make_optimizer(
