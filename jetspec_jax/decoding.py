@@ -147,13 +147,35 @@ class TreeSettings:
   algorithm: str = 'accum_logp'
 
 
-def speculative_round(target, head, state, sampling: Sampling, tree_settings: TreeSettings):
+def forced_choices(tree: tree_lib.Tree, accept_length: int):
+  """Target "choices" that make acceptance follow each node's first child for ``accept_length``
+  steps (benchmarks: realistic work per round, independent of the weights)."""
+  b, m = tree.tokens.shape
+  idx = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
+  parents = jnp.where(tree.parents >= 0, tree.parents, m)  # the root and padding: no parent
+  first_child = jnp.full((b, m + 1), m, jnp.int32).at[jnp.arange(b)[:, None], parents].min(idx)
+  first_child = first_child[:, :m]
+  child_token = jnp.take_along_axis(tree.tokens, jnp.minimum(first_child, m - 1), axis=1)
+  keep = (first_child < m) & (tree.depths < accept_length)
+  return jnp.where(keep, child_token, -1)
+
+
+def speculative_round(
+  target,
+  head,
+  state,
+  sampling: Sampling,
+  tree_settings: TreeSettings,
+  forced_accept_length: int | None = None,
+):
   """One JetSpec round: draft -> tree -> verify -> accept -> commit (DESIGN.md §5).
 
   ``state`` holds the target cache (committed length ``P``), the head's context cache, the
   features of last round's accepted path not yet in the head's cache (``pending``), the anchor
   (committed token ``P``) and a PRNG key. Returns the new state and the committed tokens
   (``[block_size]``, the first ``acc + 1`` valid: accepted drafts then the bonus).
+  ``forced_accept_length`` (benchmarks only) replaces the target's choices so that exactly that
+  many draft nodes are accepted whenever the tree is deep enough.
   """
   cache, dcache, pending, num_pending, anchor, key = state
   max_depth = head.cfg.max_depth
@@ -168,7 +190,11 @@ def speculative_round(target, head, state, sampling: Sampling, tree_settings: Tr
   verified = verify_lib.verify_tree(target, cache, tree, anc, head.cfg.target_layer_ids)
   key, sub = jax.random.split(key)
   choices = sampling.sample(verified.logits, sub)  # [B, M]
+  if forced_accept_length is not None:
+    choices = forced_choices(tree, forced_accept_length)
   accepted = verify_lib.accept(tree, anc, choices, max_depth)
+  if forced_accept_length is not None:  # -1 marks "no match"; the bonus must stay a token
+    accepted = accepted._replace(bonus=jnp.maximum(accepted.bonus, 0))
   cache = verify_lib.commit(verified.cache, cache.lengths, accepted)
   pending = verify_lib.gather_path(verified.features, accepted.path)
   path_tokens = jnp.take_along_axis(tree.tokens, accepted.path, axis=1)  # [B, D+1], root first

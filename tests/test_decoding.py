@@ -214,3 +214,16 @@ def test_trace_first_round_matches_generate(target, heads):
   assert out.stats.tau[0] == len(committed)
   np.testing.assert_array_equal(out.tokens[1 : 1 + len(committed)], committed)
   assert int(trace.tree.tokens[0]) == out.tokens[0]  # the anchor is the prefill's token
+
+
+@pytest.mark.parametrize('length', [0, 2, 4])
+def test_forced_acceptance_accepts_exactly(target, heads, length):
+  """The benchmark hook: forced choices accept exactly ``length`` nodes (tree deep enough)."""
+  ids = jnp.asarray(np.arange(15).reshape(5, 3) % VOCAB, jnp.int32)
+  lps = jnp.tile(jnp.array([[-0.01, -5.0, -6.0]]), (5, 1))  # a deep rank-0 chain
+  tree = jax.tree.map(lambda x: x[None], js.tree.accum_logp(ids, lps, 24, anchor=3))
+  anc = js.tree.ancestor_mask(tree.parents[0], 5)[None]
+  accepted = verify.accept(tree, anc, decoding.forced_choices(tree, length), 5)
+  assert int(accepted.num_accepted[0]) == length
+  path = np.asarray(accepted.path[0, : length + 1])
+  assert (np.asarray(tree.depths[0])[path] == np.arange(length + 1)).all()

@@ -112,3 +112,17 @@ def test_code_small_head_configs(name):
   assert set(config.data.validation_modules) == set(
     target_code_small.get_config().validation_modules
   )
+
+
+def test_accelerator_benchmark_runs_on_tiny_config(tmp_path):
+  from experiments import benchmark_accel
+  from experiments.configs import accel
+
+  result = benchmark_accel.run(accel.get_config('tiny'), str(tmp_path))
+  parts = {r['part'] for r in result['rows']}
+  assert parts == {'ar_decode_step', 'verify', 'draft_head', 'tree_accept_commit', 'full_round'}
+  assert {r['attn_impl'] for r in result['rows'] if r['part'] == 'verify'} == {'xla', 'pallas'}
+  assert result['weight_read_limit_ms'] > 0 and all(r['ms'] > 0 for r in result['rows'])
+  rounds = [r for r in result['rows'] if r['part'] == 'full_round']
+  assert all(r['tokens_per_round'] == 4 for r in rounds)
+  assert list(tmp_path.glob('accel_tiny_*.json'))

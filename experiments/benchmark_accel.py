@@ -1,0 +1,237 @@
+"""Accelerator benchmark: each part of a JetSpec round, and a whole round, vs the weight-read limit.
+
+  python -m experiments.benchmark_accel --config=experiments/configs/accel.py:qwen3_8b \
+      --workdir=benchmarks
+
+At batch 1 a target step cannot beat reading every weight once: ``limit = parameter bytes /
+copy bandwidth``, with the bandwidth measured in the same run (a device-to-device copy). Every
+timing is the median of ``repeats`` synchronised calls after a warm-up, reported in ms and as a
+multiple of that limit. Writes ``accel_<preset>_<device>.json`` and ``.md``.
+"""
+
+import functools
+import json
+import pathlib
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+import jetspec_jax as js
+from jetspec_jax import decoding, verify
+from jetspec_jax.models import draft_head as dh
+from jetspec_jax.models import qwen3
+
+PRESETS = {
+  'qwen3_8b': qwen3.qwen3_8b,
+  'qwen3_30b_a3b': qwen3.qwen3_30b_a3b,
+  'qwen3_0_6b': qwen3.qwen3_0_6b,
+  'tiny': qwen3.tiny,
+}
+
+
+def median_time(fn, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def copy_bandwidth(num_bytes: int, repeats: int) -> float:
+  """Bytes per second of a device copy (read + write counted)."""
+  x = jnp.ones((num_bytes // 4,), jnp.float32)
+  copy = jax.jit(lambda a: a + 1.0)
+  return 2 * x.nbytes / median_time(copy, x, repeats=repeats)
+
+
+def filled_cache(target, capacity: int, length: int, key):
+  """A cache of ``capacity`` slots whose first ``length`` hold random K/V."""
+  cache = target.make_cache(1, capacity)
+  k = jax.random.normal(key, cache.k[0].shape, cache.dtype)
+  return cache.replace(
+    k=tuple(k for _ in cache.k), v=tuple(k for _ in cache.v), lengths=jnp.array([length], jnp.int32)
+  )
+
+
+def run(config, workdir: str) -> dict:
+  dtype = jnp.dtype(config.dtype)
+  cfg = PRESETS[config.preset]()
+  key = jax.random.key(config.seed)
+  params = jax.jit(functools.partial(qwen3.init_params, cfg, dtype=dtype))(key)
+  target = qwen3.Target(cfg=cfg, params=params)
+  taps = tuple(t for t in config.taps if t < cfg.num_hidden_layers)
+  head_cfg = dh.config_for_target(
+    cfg, num_layers=config.head_layers, block_size=config.block_size, target_layer_ids=taps
+  )
+  head = dh.DraftHead(
+    cfg=head_cfg,
+    target=target,
+    params=jax.jit(functools.partial(dh.init_head_params, head_cfg, dtype=dtype))(key),
+  )
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  bandwidth = copy_bandwidth(config.copy_bytes, config.repeats)
+  limit_s = param_bytes / bandwidth
+  rows = []
+
+  def record(part, seconds, **extra):
+    rows.append(dict(part=part, ms=seconds * 1e3, x_limit=seconds / limit_s, **extra))
+    logging.info('%s', rows[-1])
+
+  budget = config.round_budget
+  settings = decoding.TreeSettings(budget=budget, width=config.width)
+  for context in config.contexts:
+    capacity = decoding.bucket(context + max(config.nodes) + config.block_size)
+    cache = filled_cache(target, capacity, context, key)
+    tok = jnp.zeros((1, 1), jnp.int32)
+
+    @jax.jit
+    def decode_step(target, cache, tok):
+      out = target.forward(tok, cache)
+      return jnp.argmax(target.lm_logits(out.hidden[:, -1]), -1)
+
+    record(
+      'ar_decode_step',
+      median_time(decode_step, target, cache, tok, repeats=config.repeats),
+      context=context,
+    )
+    for impl in config.attn_impls:
+      t_impl = target.with_attn_impl(impl)
+      for m in config.nodes:
+        tree = js.testing.random_tree(config.seed, m, vocab_size=cfg.vocab_size)
+        batched = jax.tree.map(lambda x: x[None], tree)
+        anc = tree.ancestor_mask()[None]
+
+        @jax.jit
+        def verify_step(t, cache, batched, anc):
+          return verify.verify_tree(t, cache, batched, anc, taps).logits
+
+        record(
+          'verify',
+          median_time(verify_step, t_impl, cache, batched, anc, repeats=config.repeats),
+          context=context,
+          nodes=m,
+          attn_impl=impl,
+        )
+    dcache = head.extend_context(
+      head.make_cache(1, capacity),
+      jnp.zeros((1, context, len(taps) * cfg.hidden_size), dtype),
+      jnp.array([context]),
+    )
+    pending = jnp.zeros((1, config.block_size, len(taps) * cfg.hidden_size), dtype)
+
+    @jax.jit
+    def draft_step(head, dcache, pending):
+      dc = head.extend_context(dcache, pending, jnp.array([config.forced_accept + 1]))
+      return head.propose_cached(dc, jnp.zeros((1,), jnp.int32))
+
+    record(
+      'draft_head',
+      median_time(draft_step, head, dcache, pending, repeats=config.repeats),
+      context=context,
+    )
+    draft_logits = draft_step(head, dcache, pending)
+
+    @jax.jit
+    def tree_accept_commit(draft_logits, cache):
+      ids, lps = js.tree.topk_per_depth(draft_logits, config.width)
+      tree = jax.vmap(lambda i, lp: js.tree.accum_logp(i, lp, budget))(ids, lps)
+      anc = jax.vmap(lambda p: js.tree.ancestor_mask(p, head_cfg.max_depth))(tree.parents)
+      accepted = verify.accept(
+        tree, anc, decoding.forced_choices(tree, config.forced_accept), head_cfg.max_depth
+      )
+      return verify.commit(cache, cache.lengths, accepted)
+
+    record(
+      'tree_accept_commit',
+      median_time(tree_accept_commit, draft_logits, cache, repeats=config.repeats),
+      context=context,
+      nodes=budget,
+    )
+    for impl in config.attn_impls:
+      t_impl = target.with_attn_impl(impl)
+      h_impl = head.replace(target=t_impl)
+
+      @jax.jit
+      def rounds(t, h, cache, dcache, pending):
+        state = (
+          cache,
+          dcache,
+          pending,
+          jnp.array([config.forced_accept + 1]),
+          jnp.zeros((1,), jnp.int32),
+          jax.random.key(0),
+        )
+
+        def body(_, state):
+          state, _, _ = decoding.speculative_round(
+            t, h, state, decoding.Sampling(), settings, forced_accept_length=config.forced_accept
+          )
+          return state
+
+        return jax.lax.fori_loop(0, config.rounds, body, state)[0].lengths
+
+      seconds = (
+        median_time(rounds, t_impl, h_impl, cache, dcache, pending, repeats=config.repeats)
+        / config.rounds
+      )
+      record(
+        'full_round',
+        seconds,
+        context=context,
+        nodes=budget,
+        attn_impl=impl,
+        tokens_per_round=config.forced_accept + 1,
+        tokens_per_s=(config.forced_accept + 1) / seconds,
+      )
+  device = jax.devices()[0].device_kind
+  result = dict(
+    config=config.to_dict(),
+    device=device,
+    backend=jax.default_backend(),
+    versions=dict(jax=jax.__version__, python=platform.python_version()),
+    param_bytes=param_bytes,
+    copy_bandwidth_gbs=bandwidth / 1e9,
+    weight_read_limit_ms=limit_s * 1e3,
+    rows=rows,
+  )
+  out = pathlib.Path(workdir)
+  out.mkdir(parents=True, exist_ok=True)
+  name = f'accel_{config.preset}_{device.replace(" ", "_").lower()}'
+  (out / f'{name}.json').write_text(json.dumps(result, indent=2))
+  (out / f'{name}.md').write_text(table(result))
+  print(table(result))
+  return result
+
+
+def table(result) -> str:
+  head = (
+    f'{result["device"]}: params {result["param_bytes"] / 1e9:.2f} GB, copy bandwidth '
+    f'{result["copy_bandwidth_gbs"]:.0f} GB/s, weight-read limit '
+    f'{result["weight_read_limit_ms"]:.3f} ms\n\n'
+  )
+  lines = ['| part | context | nodes | attn | ms | x limit |', '|---|---|---|---|---|---|']
+  lines += [
+    f'| {r["part"]} | {r.get("context", "")} | {r.get("nodes", "")} | '
+    f'{r.get("attn_impl", "")} | {r["ms"]:.3f} | {r["x_limit"]:.2f} |'
+    for r in result['rows']
+  ]
+  return head + '\n'.join(lines) + '\n'
+
+
+def main(argv):
+  del argv
+  logging.info('JAX %s on %s', jax.__version__, jax.devices())
+  run(flags.FLAGS.config, flags.FLAGS.workdir)
+
+
+if __name__ == '__main__':
+  config_flags.DEFINE_config_file('config', 'experiments/configs/accel.py', 'Benchmark config.')
+  flags.DEFINE_string('workdir', 'benchmarks', 'Where the JSON and table go.')
+  app.run(main)

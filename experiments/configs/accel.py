@@ -1,0 +1,45 @@
+"""Where a JetSpec round's time goes, against the weight-read limit (one device, batch 1).
+
+Run on an accelerator (random bf16 weights; nothing to download):
+  python -m experiments.benchmark_accel --config=experiments/configs/accel.py:qwen3_8b \
+      --workdir=benchmarks
+Other args: ``qwen3_30b_a3b``, ``qwen3_0_6b``; ``tiny`` is the CPU smoke run CI executes.
+Result: no accelerator run recorded yet (see the issue's closing note).
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = 'tiny') -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.preset = arg or 'tiny'
+  config.dtype = 'bfloat16'
+  config.head_layers = 5
+  config.taps = (1, 9, 17, 25, 33)
+  config.block_size = 16
+  config.contexts = (512, 2048, 8192)
+  config.nodes = (16, 32, 64, 128, 256)
+  config.attn_impls = ('xla', 'pallas')
+  config.width = 7
+  config.round_budget = 64
+  config.forced_accept = 6
+  config.rounds = 8
+  config.repeats = 10
+  config.copy_bytes = 1 << 30
+  config.seed = 0
+  if config.preset == 'qwen3_30b_a3b':
+    config.taps = (1, 12, 23, 34, 45)
+    config.head_layers = 8
+  if config.preset == 'tiny':
+    config.dtype = 'float32'
+    config.head_layers = 1
+    config.taps = (0, 2)
+    config.block_size = 6
+    config.contexts = (48,)
+    config.nodes = (8, 16)
+    config.round_budget = 16
+    config.forced_accept = 3
+    config.rounds = 3
+    config.repeats = 2
+    config.copy_bytes = 1 << 24
+  return config
