@@ -61,21 +61,22 @@ def bucket(n: int, minimum: int = 16) -> int:
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
-def prefill(target: qwen3.Target, prompt, prompt_len, capacity: int, taps=()):
-  """Runs the target over a right-padded prompt ``int32[1, Pb]`` of true length ``prompt_len``.
+def prefill(target: qwen3.Target, prompts, prompt_lens, capacity: int, taps=()):
+  """Runs the target over right-padded prompts ``int32[B, Pb]`` of true lengths ``prompt_lens``.
 
-  Padding rows are written to slot ``capacity`` (dropped), so the cache holds exactly the prompt.
+  Padding rows are written to slot ``capacity`` (dropped), so each cache row holds exactly its
+  prompt (``lengths = prompt_lens``); causal by slot, and padding comes after every real row.
 
   Returns:
-    (cache, last_logits ``[1, V]`` float32, taps ``[1, Pb, n_taps*D]`` or None)
+    (cache, last_logits ``[B, V]`` float32, taps ``[B, Pb, n_taps*D]`` or None)
   """
-  pb = prompt.shape[1]
-  positions = jnp.arange(pb, dtype=jnp.int32)[None]
-  slots = jnp.where(positions < prompt_len, positions, capacity)
-  cache = target.make_cache(1, capacity)
-  # Causal by slot; padding rows come after every real row, so no real row sees them.
-  out = target.forward(prompt, cache, positions=positions, slots=slots, taps=taps)
-  last = jax.lax.dynamic_index_in_dim(out.hidden, prompt_len - 1, axis=1, keepdims=False)
+  b, pb = prompts.shape
+  positions = jnp.broadcast_to(jnp.arange(pb, dtype=jnp.int32)[None], (b, pb))
+  slots = jnp.where(positions < prompt_lens[:, None], positions, capacity)
+  out = target.forward(
+    prompts, target.make_cache(b, capacity), positions=positions, slots=slots, taps=taps
+  )
+  last = jnp.take_along_axis(out.hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
   return out.cache, target.lm_logits(last).astype(jnp.float32), out.taps
 
 
@@ -107,13 +108,10 @@ def ar_loop(target, prompts, prompt_lens, key, *, capacity, max_new_tokens, samp
     (tokens ``int32[B, max_new_tokens]``, counts ``int32[B]``): sequence ``b`` generated
     ``counts[b]`` tokens (EOS included); it stops at EOS while the others go on.
   """
-  b, pb = prompts.shape
-  positions = jnp.broadcast_to(jnp.arange(pb, dtype=jnp.int32)[None], (b, pb))
-  slots = jnp.where(positions < prompt_lens[:, None], positions, capacity)
-  fwd = target.forward(prompts, target.make_cache(b, capacity), positions=positions, slots=slots)
-  last = jnp.take_along_axis(fwd.hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+  b = prompts.shape[0]
+  cache, last_logits, _ = prefill(target, prompts, prompt_lens, capacity)
   key, sub = jax.random.split(key)
-  first = sampling.sample(target.lm_logits(last).astype(jnp.float32), sub)
+  first = sampling.sample(last_logits, sub)
   out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
   counts = jnp.ones((b,), jnp.int32)
 
@@ -133,7 +131,7 @@ def ar_loop(target, prompts, prompt_lens, key, *, capacity, max_new_tokens, samp
     return i + 1, nxt, done, counts, step.cache, out, key
 
   done = sampling.is_eos(first)
-  init = (jnp.int32(1), first, done, counts, fwd.cache, out, key)
+  init = (jnp.int32(1), first, done, counts, cache, out, key)
   _, _, _, counts, _, out, _ = jax.lax.while_loop(cond, body, init)
   return out, counts
 
@@ -210,8 +208,8 @@ def speculative_round(
 def speculative_loop(
   target,
   head,
-  prompt,
-  prompt_len,
+  prompts,
+  prompt_lens,
   key,
   *,
   capacity: int,
@@ -219,38 +217,97 @@ def speculative_loop(
   sampling: Sampling,
   tree_settings: TreeSettings,
 ):
-  """Speculative decoding on device: prefill, then rounds in ``lax.while_loop``.
+  """Speculative decoding of ``B`` sequences on device: prefill, then rounds in a while loop.
 
-  Returns (tokens ``[max_new_tokens + block_size]``, count, tau per round ``[max_new_tokens]``,
-  rounds). Tokens past ``count`` are scratch.
+  Every sequence drafts and verifies its own tree in the same round, accepts its own number of
+  tokens, and keeps its own cache length and head context; a sequence that reached EOS or
+  ``max_new_tokens`` stops recording (its rows still compute, harmlessly) until all are done.
+
+  Args:
+    prompts: ``int32[B, Pb]`` right-padded prompts; ``prompt_lens``: ``int32[B]``.
+
+  Returns:
+    (tokens ``[B, max_new_tokens + block_size]``, counts ``[B]``, tau per round
+    ``[B, max_new_tokens]``, rounds ``[B]``). Tokens past ``counts`` are scratch.
   """
-  bs = head.cfg.block_size
+  b, bs = prompts.shape[0], head.cfg.block_size
   cache, last_logits, features = prefill(
-    target, prompt, prompt_len, capacity, taps=head.cfg.target_layer_ids
+    target, prompts, prompt_lens, capacity, taps=head.cfg.target_layer_ids
   )
-  dcache = head.extend_context(head.make_cache(1, capacity), features, prompt_len[None])
+  dcache = head.extend_context(head.make_cache(b, capacity), features, prompt_lens)
   key, sub = jax.random.split(key)
-  anchor = sampling.sample(last_logits, sub)  # [1]
-  out = jnp.zeros((max_new_tokens + bs,), jnp.int32).at[0].set(anchor[0])
-  taus = jnp.zeros((max_new_tokens,), jnp.int32)
-  pending = jnp.zeros((1, bs, features.shape[-1]), features.dtype)
-  state = (cache, dcache, pending, jnp.zeros((1,), jnp.int32), anchor, key)
+  anchor = sampling.sample(last_logits, sub)  # [B]
+  out = jnp.zeros((b, max_new_tokens + bs), jnp.int32).at[:, 0].set(anchor)
+  taus = jnp.zeros((b, max_new_tokens), jnp.int32)
+  pending = jnp.zeros((b, bs, features.shape[-1]), features.dtype)
+  state = (cache, dcache, pending, jnp.zeros((b,), jnp.int32), anchor, key)
+  rows = jnp.arange(b)
+
+  def active(n, done):
+    return (n < max_new_tokens) & ~done
 
   def cond(carry):
     n, _, done, *_ = carry
-    return (n < max_new_tokens) & ~done
+    return jnp.any(active(n, done))
 
   def body(carry):
-    n, rounds, _, out, taus, state = carry
+    n, rounds, done, out, taus, state = carry
+    live = active(n, done)
     state, committed, tau = speculative_round(target, head, state, sampling, tree_settings)
-    committed, tau = committed[0], tau[0]
-    out = jax.lax.dynamic_update_slice(out, committed, (n,))
-    done = jnp.any(sampling.is_eos(committed) & (jnp.arange(bs) < tau))
-    return n + tau, rounds + 1, done, out, taus.at[rounds].set(tau), state
+    written = jax.vmap(lambda o, c, i: jax.lax.dynamic_update_slice(o, c, (i,)))(out, committed, n)
+    out = jnp.where(live[:, None], written, out)
+    hit = jnp.any(sampling.is_eos(committed) & (jnp.arange(bs)[None] < tau[:, None]), axis=1)
+    taus = taus.at[rows, rounds].set(jnp.where(live, tau, taus[rows, rounds]), mode='drop')
+    live_i = live.astype(jnp.int32)
+    return n + live_i * tau, rounds + live_i, done | (live & hit), out, taus, state
 
-  init = (jnp.int32(1), jnp.int32(0), sampling.is_eos(anchor[0]), out, taus, state)
+  n0 = jnp.ones((b,), jnp.int32)
+  init = (n0, jnp.zeros((b,), jnp.int32), sampling.is_eos(anchor), out, taus, state)
   n, rounds, _, out, taus, _ = jax.lax.while_loop(cond, body, init)
   return out, n, taus, rounds
+
+
+def _prepare_prompts(
+  target: qwen3.Target,
+  prompts,
+  max_new_tokens: int,
+  extra: int = 0,
+  min_prompt_bucket: int = 0,
+  min_capacity: int = 0,
+):
+  """Validates and right-pads prompts to one power-of-two bucket.
+
+  ``min_prompt_bucket`` / ``min_capacity`` let a caller share one compilation across prompts of
+  different lengths (a benchmark pads every prompt to the same shapes).
+
+  Returns:
+    (prompts ``int32[B, Pb]``, lengths ``int32[B]``, cache capacity).
+  """
+  if max_new_tokens < 1:
+    raise ValueError(f'{max_new_tokens=} must be >= 1')
+  arrays = []
+  for ids in prompts:
+    ids = np.asarray(ids)
+    if ids.ndim != 1:
+      raise ValueError(f'prompt_ids must be a 1-D sequence of token ids, got shape {ids.shape}')
+    if ids.size == 0:
+      raise ValueError('prompt_ids is empty')
+    if not np.issubdtype(ids.dtype, np.integer):
+      raise TypeError(f'prompt_ids must be integers, got dtype {ids.dtype}')
+    qwen3.check_token_ids(ids, target.cfg.vocab_size)
+    arrays.append(ids)
+  longest = max(ids.size for ids in arrays)
+  needed = longest + max_new_tokens + extra
+  if needed > target.cfg.max_position_embeddings:
+    raise ValueError(
+      f'prompt ({longest}) + max_new_tokens ({max_new_tokens}) + round overhang ({extra}) = '
+      f'{needed} exceeds the model context {target.cfg.max_position_embeddings}'
+    )
+  padded = np.zeros((len(arrays), max(bucket(longest), min_prompt_bucket)), np.int32)
+  for i, ids in enumerate(arrays):
+    padded[i, : ids.size] = ids
+  lengths = jnp.asarray([ids.size for ids in arrays], jnp.int32)
+  return jnp.asarray(padded), lengths, max(bucket(needed), min_capacity)
 
 
 def _prepare_prompt(
@@ -261,30 +318,17 @@ def _prepare_prompt(
   min_prompt_bucket: int = 0,
   min_capacity: int = 0,
 ):
-  """Right-pads the prompt to a power-of-two bucket; returns (prompt, length, capacity).
+  """One prompt: (``int32[1, Pb]``, ``int32[1]``, capacity)."""
+  return _prepare_prompts(
+    target, [prompt_ids], max_new_tokens, extra, min_prompt_bucket, min_capacity
+  )
 
-  ``min_prompt_bucket`` / ``min_capacity`` let a caller share one compilation across prompts of
-  different lengths (a benchmark pads every prompt to the same shapes).
-  """
-  ids = np.asarray(prompt_ids)
-  if ids.ndim != 1:
-    raise ValueError(f'prompt_ids must be a 1-D sequence of token ids, got shape {ids.shape}')
-  if ids.size == 0:
-    raise ValueError('prompt_ids is empty')
-  if not np.issubdtype(ids.dtype, np.integer):
-    raise TypeError(f'prompt_ids must be integers, got dtype {ids.dtype}')
-  qwen3.check_token_ids(ids, target.cfg.vocab_size)
-  if max_new_tokens < 1:
-    raise ValueError(f'{max_new_tokens=} must be >= 1')
-  needed = ids.size + max_new_tokens + extra
-  if needed > target.cfg.max_position_embeddings:
-    raise ValueError(
-      f'prompt ({ids.size}) + max_new_tokens ({max_new_tokens}) + round overhang ({extra}) = '
-      f'{needed} exceeds the model context {target.cfg.max_position_embeddings}'
-    )
-  padded = np.zeros((1, max(bucket(ids.size), min_prompt_bucket)), np.int32)
-  padded[0, : ids.size] = ids
-  return jnp.asarray(padded), jnp.int32(ids.size), max(bucket(needed), min_capacity)
+
+def _is_batch(prompt_ids) -> bool:
+  """A list/tuple of sequences (not a flat sequence of ids) is a batch of prompts."""
+  return (
+    isinstance(prompt_ids, list | tuple) and len(prompt_ids) > 0 and np.ndim(prompt_ids[0]) == 1
+  )
 
 
 def _truncate(tokens: np.ndarray, n: int, max_new_tokens: int, eos: int | None) -> np.ndarray:
@@ -313,13 +357,14 @@ def generate(
   tree_algorithm: str = 'accum_logp',
   min_prompt_bucket: int = 0,
   min_capacity: int = 0,
-) -> GenerateOutput:
+) -> GenerateOutput | list[GenerateOutput]:
   """Generates up to ``max_new_tokens`` tokens after ``prompt_ids``, on device.
 
   Args:
     target: the target model.
     head: the draft head (may be None for ``method='ar'``); it must fit the target.
-    prompt_ids: 1-D token ids.
+    prompt_ids: 1-D token ids, or a list of them (a batch of prompts of any lengths: each
+      sequence drafts, verifies and stops on its own; the result is then a list).
     max_new_tokens: most tokens to return (EOS included).
     method: ``'ar'`` (autoregressive), ``'chain'`` (the head's top-1 block verified as a chain,
       the DFlash baseline) or ``'tree'`` (JetSpec).
@@ -348,15 +393,17 @@ def generate(
   eos = target.cfg.eos_token_id if eos_id is None else int(eos_id)
   sampling = Sampling(float(temperature), int(top_k), float(top_p), eos)
   key = jax.random.key(seed)
+  batch = _is_batch(prompt_ids)
+  prompt_list = list(prompt_ids) if batch else [prompt_ids]
   if method == 'ar':
-    prompt, prompt_len, capacity = _prepare_prompt(
-      target, prompt_ids, max_new_tokens, 0, min_prompt_bucket, min_capacity
+    prompts, lengths, capacity = _prepare_prompts(
+      target, prompt_list, max_new_tokens, 0, min_prompt_bucket, min_capacity
     )
     start = time.perf_counter()
     out, n = ar_loop(
       target,
-      prompt,
-      prompt_len[None],
+      prompts,
+      lengths,
       key,
       capacity=capacity,
       max_new_tokens=max_new_tokens,
@@ -364,14 +411,17 @@ def generate(
     )
     out, n = jax.device_get((out, n))
     wall = time.perf_counter() - start
-    tokens = _truncate(out[0], int(n[0]), max_new_tokens, eos)
-    stats = GenerationStats(
-      tau=np.ones((len(tokens) - 1,), np.int32),
-      rounds=len(tokens) - 1,
-      new_tokens=len(tokens),
-      wall_s=wall,
-    )
-    return GenerateOutput(tokens=tokens, stats=stats)
+    results = []
+    for i in range(len(prompt_list)):
+      tokens = _truncate(out[i], int(n[i]), max_new_tokens, eos)
+      stats = GenerationStats(
+        tau=np.ones((len(tokens) - 1,), np.int32),
+        rounds=len(tokens) - 1,
+        new_tokens=len(tokens),
+        wall_s=wall,
+      )
+      results.append(GenerateOutput(tokens=tokens, stats=stats))
+    return results if batch else results[0]
 
   if head is None:
     raise ValueError(f'method={method!r} needs a draft head')
@@ -390,15 +440,20 @@ def generate(
         f'tree_algorithm must be one of {sorted(tree_lib.TREE_BUILDERS)}, got {tree_algorithm!r}'
       )
     tree_settings = TreeSettings(budget=int(budget), width=int(width), algorithm=tree_algorithm)
-  prompt, prompt_len, capacity = _prepare_prompt(
-    target, prompt_ids, max_new_tokens, tree_settings.budget + bs, min_prompt_bucket, min_capacity
+  prompts, lengths, capacity = _prepare_prompts(
+    target,
+    prompt_list,
+    max_new_tokens,
+    tree_settings.budget + bs,
+    min_prompt_bucket,
+    min_capacity,
   )
   start = time.perf_counter()
   out, n, taus, rounds = speculative_loop(
     target,
     head,
-    prompt,
-    prompt_len,
+    prompts,
+    lengths,
     key,
     capacity=capacity,
     max_new_tokens=max_new_tokens,
@@ -407,11 +462,17 @@ def generate(
   )
   out, n, taus, rounds = jax.device_get((out, n, taus, rounds))
   wall = time.perf_counter() - start
-  tokens = _truncate(out, int(n), max_new_tokens, eos)
-  stats = GenerationStats(
-    tau=np.asarray(taus[: int(rounds)]), rounds=int(rounds), new_tokens=len(tokens), wall_s=wall
-  )
-  return GenerateOutput(tokens=tokens, stats=stats)
+  results = []
+  for i in range(len(prompt_list)):
+    tokens = _truncate(out[i], int(n[i]), max_new_tokens, eos)
+    stats = GenerationStats(
+      tau=np.asarray(taus[i, : int(rounds[i])]),
+      rounds=int(rounds[i]),
+      new_tokens=len(tokens),
+      wall_s=wall,
+    )
+    results.append(GenerateOutput(tokens=tokens, stats=stats))
+  return results if batch else results[0]
 
 
 class RoundTrace(NamedTuple):
@@ -448,7 +509,7 @@ def trace_first_round(
     target, prompt, prompt_len, capacity, taps=head.cfg.target_layer_ids
   )
   anchor = jnp.argmax(last_logits, -1).astype(jnp.int32)  # [1]
-  dcache = head.extend_context(head.make_cache(1, capacity), features, prompt_len[None])
+  dcache = head.extend_context(head.make_cache(1, capacity), features, prompt_len)
   draft_logits = head.propose_cached(dcache, anchor)[0]
   ids, logprobs = tree_lib.topk_per_depth(draft_logits, width)
   tree = tree_lib.TREE_BUILDERS[tree_algorithm](ids, logprobs, budget, anchor=anchor[0])

@@ -216,7 +216,8 @@ def tree_attention(
     pl.BlockSpec((None, padded, None, h), lambda i, j, r: (i, 0, j, 0)),
     pl.BlockSpec((None, padded, None, h), lambda i, j, r: (i, 0, j, 0)),
   ]
-  args = [prefix_len.astype(jnp.int32), q_rows, k_cache, v_cache, k_tail, v_tail]
+  # A finished sequence of a batch may keep growing past the capacity: never read beyond it.
+  args = [jnp.minimum(prefix_len, s).astype(jnp.int32), q_rows, k_cache, v_cache, k_tail, v_tail]
   tree = ancestors is not None
   if tree:
     bits = jnp.repeat(pack_ancestors(ancestors, padded), groups, axis=1)  # [B, rows_all, W]

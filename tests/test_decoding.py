@@ -103,7 +103,7 @@ def test_eos_stops_like_autoregressive(target, heads, prompts, ar_outputs, metho
 def test_rounds_run_without_host_transfers(target, heads):
   """A whole generation (many rounds) is one device computation: no transfer inside it."""
   head = heads['causal']
-  prompt, plen, capacity = decoding._prepare_prompt(target, np.arange(1, 8), 40, extra=40)
+  prompt, plen, capacity = decoding._prepare_prompt(target, np.arange(1, 8), 40, extra=40)  # [1]
   loop = functools.partial(
     decoding.speculative_loop,
     capacity=capacity,
@@ -116,7 +116,7 @@ def test_rounds_run_without_host_transfers(target, heads):
   with jax.transfer_guard('disallow'):
     out = loop(target, head, prompt, plen, key)
     jax.block_until_ready(out)
-  rounds = int(out[3])
+  rounds = int(out[3][0])
   assert rounds > 3
 
 
@@ -161,6 +161,7 @@ def test_sampled_tree_matches_target_distribution(temperature, top_k, top_p):
   for chunk in range(6):
     keys = jax.random.split(jax.random.key(chunk), 2000)
     tokens, _ = jax.device_get(draw(keys))
+    tokens = tokens[:, 0]  # the batch of one
     codes = tokens[:, 0] * 25 + tokens[:, 1] * 5 + tokens[:, 2]
     counts += np.bincount(codes, minlength=125)
   expected = exact_distribution(target, prompt_np, 3, temperature, top_k, top_p) * counts.sum()
@@ -227,3 +228,24 @@ def test_forced_acceptance_accepts_exactly(target, heads, length):
   assert int(accepted.num_accepted[0]) == length
   path = np.asarray(accepted.path[0, : length + 1])
   assert (np.asarray(tree.depths[0])[path] == np.arange(length + 1)).all()
+
+
+@pytest.mark.parametrize(
+  'method, kwargs', [('ar', {}), ('chain', {}), ('tree', dict(budget=24, width=4))]
+)
+def test_batched_generation_equals_each_sequence_alone(target, heads, method, kwargs):
+  """B > 1 with mixed prompt lengths and an early EOS: each row == its own ar output."""
+  prompts = [js.testing.random_ids(40 + i, (n,), VOCAB) for i, n in enumerate((3, 17, 8, 1))]
+  alone = [js.generate(target, None, p, max_new_tokens=20, method='ar').tokens for p in prompts]
+  eos = int(alone[2][4])  # ends sequence 2 early (and any other that produces it)
+  want = [
+    js.generate(target, None, p, max_new_tokens=20, method='ar', eos_id=eos).tokens for p in prompts
+  ]
+  assert len(want[2]) <= 5
+  head = None if method == 'ar' else heads['causal']
+  outs = js.generate(target, head, prompts, max_new_tokens=20, method=method, eos_id=eos, **kwargs)
+  assert isinstance(outs, list) and len(outs) == 4
+  for out, w in zip(outs, want):
+    np.testing.assert_array_equal(out.tokens, w)
+    if method != 'ar':
+      assert out.stats.tau.sum() >= len(w) - 1 and out.stats.rounds == len(out.stats.tau)

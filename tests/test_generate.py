@@ -55,7 +55,7 @@ def test_bad_arguments(target):
   with pytest.raises(ValueError, match='method must be one of'):
     js.generate(target, None, [1, 2], method='beam')
   with pytest.raises(ValueError, match='1-D'):
-    js.generate(target, None, [[1, 2]], method='ar')
+    js.generate(target, None, np.array([[1, 2]]), method='ar')
   with pytest.raises(ValueError, match='empty'):
     js.generate(target, None, [], method='ar')
   with pytest.raises(ValueError, match='token ids must be in'):
