@@ -146,6 +146,7 @@ def run(config, workdir: str) -> dict:
         )
       )
       logging.info('%s', rows[-1])
+  batch_rows = run_batches(config, target, heads, [p for _, p in prompts], shapes)
   result = dict(
     config=config.to_dict(),
     device=jax.devices()[0].device_kind,
@@ -154,9 +155,50 @@ def run(config, workdir: str) -> dict:
     num_prompts={k: len(v) for k, v in prompt_sets.items()},
     rows=rows,
     per_prompt=per_prompt,
+    batch_rows=batch_rows,
   )
   write_outputs(result, pathlib.Path(workdir))
   return result
+
+
+def run_batches(config, target, heads, prompts, shapes) -> list[dict]:
+  """Throughput and per-sequence latency at several batch sizes (greedy; ar and tree)."""
+  head_name = config.batch_head
+  rows = []
+  for batch in config.batch_sizes:
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+    if not groups:
+      continue
+    for name, head, kwargs in (
+      ('ar', None, dict(method='ar')),
+      (
+        f'tree/{head_name}/{config.batch_budget}',
+        heads[head_name],
+        dict(method='tree', budget=config.batch_budget, width=config.width),
+      ),
+    ):
+
+      def decode(group, head=head, kwargs=kwargs):
+        return js.generate(
+          target, head, list(group), max_new_tokens=config.max_new_tokens, **shapes, **kwargs
+        )
+
+      decode(groups[0])  # warm-up
+      outs = [decode(g) for g in groups]
+      walls = [o[0].stats.wall_s for o in outs]  # one wall time per batch
+      tokens = sum(x.stats.new_tokens for o in outs for x in o)
+      taus = np.concatenate([x.stats.tau for o in outs for x in o])
+      rows.append(
+        dict(
+          batch=batch,
+          setting=name,
+          tps=tokens / sum(walls),
+          latency_s=float(np.mean(walls)),
+          tau=float(taus.mean()),
+        )
+      )
+      logging.info('%s', rows[-1])
+  return rows
 
 
 def markdown_table(rows) -> str:
@@ -172,7 +214,16 @@ def markdown_table(rows) -> str:
 def write_outputs(result: dict, out: pathlib.Path) -> None:
   out.mkdir(parents=True, exist_ok=True)
   (out / 'benchmark.json').write_text(json.dumps(result, indent=2))
-  (out / 'benchmark.md').write_text(markdown_table(result['rows']))
+  batch = [
+    '',
+    '| batch | setting | tau | tok/s (all sequences) | latency per batch (s) |',
+    '|---|---|---|---|---|',
+  ]
+  batch += [
+    f'| {r["batch"]} | {r["setting"]} | {r["tau"]:.2f} | {r["tps"]:.0f} | {r["latency_s"]:.3f} |'
+    for r in result['batch_rows']
+  ]
+  (out / 'benchmark.md').write_text(markdown_table(result['rows']) + '\n'.join(batch) + '\n')
   plot(result['rows'], out)
 
 

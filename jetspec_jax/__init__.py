@@ -8,7 +8,7 @@ The public API (DESIGN.md §4)::
   out = js.generate(target, head, prompt_ids, max_new_tokens=256, method='tree')
 """
 
-from jetspec_jax import decoding, kv_cache, testing, tree, verify, viz
+from jetspec_jax import decoding, kv_cache, sharding, testing, tree, verify, viz
 from jetspec_jax.decoding import GenerateOutput, GenerationStats, generate
 from jetspec_jax.kv_cache import KVCache
 from jetspec_jax.models import draft_head, hf_io, qwen3
@@ -45,6 +45,7 @@ __all__ = [
   'qwen3',
   'save_draft_head',
   'save_target',
+  'sharding',
   'testing',
   'tree',
   'verify',

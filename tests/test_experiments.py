@@ -48,7 +48,9 @@ def test_demo_runs_on_tiny_config(tmp_path):
 def test_benchmark_runs_on_tiny_config(tmp_path):
   result = benchmark.run(benchmark_config.get_config('tiny'), str(tmp_path))
   saved = json.loads((tmp_path / 'benchmark.json').read_text())
+  assert {r['batch'] for r in saved['batch_rows']} == {1, 2}
   assert set(saved) == {
+    'batch_rows',
     'config',
     'device',
     'backend',

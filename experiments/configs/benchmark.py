@@ -22,9 +22,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.budgets = (8, 16, 32, 64, 128, 255)
   config.tree_algorithms = ('accum_logp', 'top2gap')
   config.temperatures = (0.0, 1.0)
+  config.batch_sizes = (1, 2, 4, 8)
+  config.batch_budget = 32
+  config.batch_head = 'jetspec'
   if arg == 'tiny':
     config.num_humaneval, config.num_heldout = 2, 1
     config.max_new_tokens = 16
     config.budgets = (8, 32)
     config.tree_algorithms = ('accum_logp',)
+    config.batch_sizes = (1, 2)
+    config.batch_budget = 8
   return config

@@ -407,7 +407,7 @@ def params_to_hf(params: dict, cfg: qwen3.Qwen3Config) -> dict[str, np.ndarray]:
 
 
 def load_target(
-  path: str | os.PathLike, *, dtype=jnp.float32, attn_impl: str = 'xla'
+  path: str | os.PathLike, *, dtype=jnp.float32, attn_impl: str = 'xla', mesh=None
 ) -> qwen3.Target:
   """Loads a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory as a :class:`Target`.
 
@@ -415,6 +415,8 @@ def load_target(
     path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
     dtype: parameter and compute dtype (float32 for parity, bfloat16 on accelerators).
     attn_impl: ``'xla'`` or ``'pallas'``.
+    mesh: a ``('data', 'model')`` mesh to place the parameters on (tensor-parallel over
+      ``'model'``, see :mod:`jetspec_jax.sharding`); default: the default device.
 
   Raises:
     FileNotFoundError: the directory, ``config.json`` or the weights are missing.
@@ -426,6 +428,10 @@ def load_target(
   path = pathlib.Path(path)
   cfg = config_from_hf(read_config(path))
   params = params_from_hf(read_tensors(path), cfg, dtype)
+  if mesh is not None:
+    from jetspec_jax import sharding
+
+    params = sharding.shard_params(params, mesh)
   return qwen3.Target(cfg=cfg, params=params, attn_impl=attn_impl)
 
 
