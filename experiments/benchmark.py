@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 import jetspec_jax as js
 from jetspec_jax import prompts as prompts_lib
+from jetspec_jax import sharding
 from jetspec_jax.tokenizer import Tokenizer
 
 
@@ -276,6 +277,7 @@ def plot(rows, out: pathlib.Path) -> None:
 
 def main(argv):
   del argv
+  sharding.maybe_initialize_distributed(flags.FLAGS.distributed)
   logging.info('JAX %s on %s', jax.__version__, jax.devices())
   result = run(flags.FLAGS.config, flags.FLAGS.workdir)
   print(markdown_table(result['rows']))
@@ -284,4 +286,5 @@ def main(argv):
 if __name__ == '__main__':
   config_flags.DEFINE_config_file('config', 'experiments/configs/benchmark.py', 'Benchmark.')
   flags.DEFINE_string('workdir', 'benchmarks', 'Where JSON, table and plots go.')
+  flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')
   app.run(main)

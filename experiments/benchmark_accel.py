@@ -22,7 +22,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jetspec_jax as js
-from jetspec_jax import decoding, verify
+from jetspec_jax import decoding, sharding, verify
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.models import qwen3
 
@@ -227,6 +227,7 @@ def table(result) -> str:
 
 def main(argv):
   del argv
+  sharding.maybe_initialize_distributed(flags.FLAGS.distributed)
   logging.info('JAX %s on %s', jax.__version__, jax.devices())
   run(flags.FLAGS.config, flags.FLAGS.workdir)
 
@@ -234,4 +235,5 @@ def main(argv):
 if __name__ == '__main__':
   config_flags.DEFINE_config_file('config', 'experiments/configs/accel.py', 'Benchmark config.')
   flags.DEFINE_string('workdir', 'benchmarks', 'Where the JSON and table go.')
+  flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')
   app.run(main)

@@ -11,6 +11,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jetspec_jax import sharding
 from jetspec_jax.training import data as data_lib
 from jetspec_jax.training import train as train_lib
 
@@ -24,6 +25,7 @@ def run(config, workdir: str) -> list[pathlib.Path]:
 
 def main(argv):
   del argv
+  sharding.maybe_initialize_distributed(flags.FLAGS.distributed)
   logging.info('JAX %s on %s', jax.__version__, jax.devices())
   paths = run(flags.FLAGS.config, flags.FLAGS.workdir)
   print(f'{len(paths)} shards in {paths[0].parent}')
@@ -33,4 +35,5 @@ if __name__ == '__main__':
   config_flags.DEFINE_config_file('config', 'experiments/configs/draft_tiny.py', 'Data config.')
   flags.DEFINE_string('workdir', None, 'Where data/ goes unless config.data.dir is set.')
   flags.mark_flags_as_required(['workdir'])
+  flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')
   app.run(main)

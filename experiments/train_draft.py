@@ -11,14 +11,13 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jetspec_jax import training
+from jetspec_jax import sharding, training
 
 
 def main(argv):
   del argv
+  sharding.maybe_initialize_distributed(flags.FLAGS.distributed)
   logging.info('JAX %s on %s', jax.__version__, jax.devices())
-  if jax.process_count() > 1 or flags.FLAGS.distributed:
-    jax.distributed.initialize()
   result = training.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   print({k: v for k, v in result.items() if k != 'history'})
 

@@ -8,11 +8,13 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jetspec_jax import sharding
 from jetspec_jax.training import lm
 
 
 def main(argv):
   del argv
+  sharding.maybe_initialize_distributed(flags.FLAGS.distributed)
   logging.info('JAX %s on %s', jax.__version__, jax.devices())
   print(lm.train_target(flags.FLAGS.config, flags.FLAGS.workdir))
 
@@ -23,4 +25,5 @@ if __name__ == '__main__':
   )
   flags.DEFINE_string('workdir', None, 'Checkpoints, tokenizer, metrics and export.')
   flags.mark_flags_as_required(['workdir'])
+  flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')
   app.run(main)

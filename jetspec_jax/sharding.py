@@ -74,3 +74,16 @@ def shard_params(params, mesh: Mesh):
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   """Leading (batch) axis over ``'data'``."""
   return NamedSharding(mesh, P('data', *([None] * (ndim - 1))))
+
+
+def maybe_initialize_distributed(force: bool = False) -> bool:
+  """Calls ``jax.distributed.initialize()`` when asked (``force``) or when the environment
+  names a coordinator (``JAX_COORDINATOR_ADDRESS``, or a multi-task SLURM job). Call it before
+  anything touches the devices. Returns whether it initialized."""
+  import os
+
+  multi_task_slurm = int(os.environ.get('SLURM_NTASKS', '1')) > 1
+  if force or os.environ.get('JAX_COORDINATOR_ADDRESS') or multi_task_slurm:
+    jax.distributed.initialize()
+    return True
+  return False
