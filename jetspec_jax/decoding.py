@@ -340,6 +340,20 @@ def _truncate(tokens: np.ndarray, n: int, max_new_tokens: int, eos: int | None) 
   return tokens
 
 
+def _collect(out, counts, wall, max_new_tokens, eos, taus=None, rounds=None):
+  """Per-sequence outputs from the device loop's buffers (AR when ``taus`` is None)."""
+  results = []
+  for i in range(out.shape[0]):
+    tokens = _truncate(out[i], int(counts[i]), max_new_tokens, eos)
+    if taus is None:  # one target forward per token after the first
+      tau, num_rounds = np.ones((len(tokens) - 1,), np.int32), len(tokens) - 1
+    else:
+      tau, num_rounds = np.asarray(taus[i, : int(rounds[i])]), int(rounds[i])
+    stats = GenerationStats(tau=tau, rounds=num_rounds, new_tokens=len(tokens), wall_s=wall)
+    results.append(GenerateOutput(tokens=tokens, stats=stats))
+  return results
+
+
 def generate(
   target: qwen3.Target,
   head: draft_head_lib.DraftHead | None = None,
@@ -410,17 +424,7 @@ def generate(
       sampling=sampling,
     )
     out, n = jax.device_get((out, n))
-    wall = time.perf_counter() - start
-    results = []
-    for i in range(len(prompt_list)):
-      tokens = _truncate(out[i], int(n[i]), max_new_tokens, eos)
-      stats = GenerationStats(
-        tau=np.ones((len(tokens) - 1,), np.int32),
-        rounds=len(tokens) - 1,
-        new_tokens=len(tokens),
-        wall_s=wall,
-      )
-      results.append(GenerateOutput(tokens=tokens, stats=stats))
+    results = _collect(out, n, time.perf_counter() - start, max_new_tokens, eos)
     return results if batch else results[0]
 
   if head is None:
@@ -461,17 +465,7 @@ def generate(
     tree_settings=tree_settings,
   )
   out, n, taus, rounds = jax.device_get((out, n, taus, rounds))
-  wall = time.perf_counter() - start
-  results = []
-  for i in range(len(prompt_list)):
-    tokens = _truncate(out[i], int(n[i]), max_new_tokens, eos)
-    stats = GenerationStats(
-      tau=np.asarray(taus[i, : int(rounds[i])]),
-      rounds=int(rounds[i]),
-      new_tokens=len(tokens),
-      wall_s=wall,
-    )
-    results.append(GenerateOutput(tokens=tokens, stats=stats))
+  results = _collect(out, n, time.perf_counter() - start, max_new_tokens, eos, taus, rounds)
   return results if batch else results[0]
 
 

@@ -6,8 +6,9 @@ Run (resumable; re-run the same command after an interruption):
   cp -r runs/target_code_small/export/. assets/target_code_small/
 Tiny smoke run (what CI runs): ``--config=experiments/configs/target_code_small.py:tiny``.
 
-Held-out modules (validation): see ``validation_modules``. Result of the committed run: see
-assets/README.md (validation loss, steps, tokens).
+Held-out modules (validation): see ``validation_modules``. Result of the committed run
+(5,574,272 parameters, 1500 steps, ~41 min on 2 CPU cores): validation loss 3.92 on the held-out
+modules (training loss ~2.2); details in assets/README.md.
 """
 
 import ml_collections
