@@ -13,15 +13,14 @@ import functools
 import json
 import pathlib
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jetspec_jax as js
+from experiments.timing import median_time
 from jetspec_jax import decoding, sharding, verify
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.models import qwen3
@@ -32,16 +31,6 @@ PRESETS = {
   'qwen3_0_6b': qwen3.qwen3_0_6b,
   'tiny': qwen3.tiny,
 }
-
-
-def median_time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def copy_bandwidth(num_bytes: int, repeats: int) -> float:

@@ -8,7 +8,6 @@ Writes ``tree_attention_<device>.json`` and a markdown table to ``--workdir``.
 import json
 import pathlib
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
@@ -17,19 +16,9 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jetspec_jax as js
+from experiments.timing import median_time
 from jetspec_jax.decoding import bucket
 from pallas_kernels import tree_attention as ta
-
-
-def time_fn(fn, *args, repeats: int) -> float:
-  """Median wall seconds of ``fn(*args)`` after one warm-up call, synchronised each time."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def run(config, workdir: str) -> dict:
@@ -59,8 +48,8 @@ def run(config, workdir: str) -> dict:
         vc = js.kv_cache.write_slots(vc, slots, vt)
         return js.qwen3.attention_xla(q, kc, vc, mask)
 
-      t_kernel = time_fn(kernel, q, kt, vt, kc, vc, plen, anc, repeats=config.repeats)
-      t_xla = time_fn(xla, q, kt, vt, kc, vc, dense_mask, repeats=config.repeats)
+      t_kernel = median_time(kernel, q, kt, vt, kc, vc, plen, anc, repeats=config.repeats)
+      t_xla = median_time(xla, q, kt, vt, kc, vc, dense_mask, repeats=config.repeats)
       # Bytes the kernel must move: prefix K/V, tail K/V, queries and outputs.
       moved = dtype.itemsize * (2 * (prefix + m) * kh * h + 2 * m * n * h)
       rows.append(
