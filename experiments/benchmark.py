@@ -70,12 +70,8 @@ def run(config, workdir: str) -> dict:
   prompts = [(set_name, p) for set_name, ps in prompt_sets.items() for p in ps]
   runs = settings(config, heads)
   # One shape for every prompt, so each setting compiles once (warm-up) and timings exclude it.
-  longest = max(len(p) for _, p in prompts)
   overhang = max(config.budgets) + max(h.cfg.block_size for h in heads.values())
-  shapes = dict(
-    min_prompt_bucket=js.decoding.bucket(longest),
-    min_capacity=js.decoding.bucket(longest + config.max_new_tokens + overhang),
-  )
+  shapes = js.decoding.shared_shapes([p for _, p in prompts], config.max_new_tokens, overhang)
   rows, per_prompt = [], []
   for temperature in config.temperatures:
 

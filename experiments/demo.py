@@ -36,12 +36,8 @@ def run(config, workdir: str = 'runs/demo') -> dict:
     f'{head.cfg.block_size}'
   )
   prompts = [tok.encode(p) for _, p in prompts_lib.humaneval_prompts(config.num_prompts)]
-  longest = max(len(p) for p in prompts)
-  shapes = dict(
-    min_prompt_bucket=js.decoding.bucket(longest),
-    min_capacity=js.decoding.bucket(
-      longest + config.max_new_tokens + config.budget + head.cfg.block_size
-    ),
+  shapes = js.decoding.shared_shapes(
+    prompts, config.max_new_tokens, config.budget + head.cfg.block_size
   )
   methods = {
     'ar': (None, dict(method='ar')),

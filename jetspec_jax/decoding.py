@@ -324,6 +324,18 @@ def _prepare_prompt(
   )
 
 
+def shared_shapes(prompts, max_new_tokens: int, overhang: int = 0) -> dict:
+  """``generate`` keyword arguments that give every prompt in ``prompts`` the same shapes.
+
+  Benchmarks use them so each setting compiles once (in a warm-up) and timings exclude it;
+  ``overhang`` is the largest ``budget + block_size`` the prompts will be decoded with.
+  """
+  longest = max(len(p) for p in prompts)
+  return dict(
+    min_prompt_bucket=bucket(longest), min_capacity=bucket(longest + max_new_tokens + overhang)
+  )
+
+
 def _is_batch(prompt_ids) -> bool:
   """A list/tuple of sequences (not a flat sequence of ids) is a batch of prompts."""
   return (

@@ -13,7 +13,6 @@ nowhere).
 import dataclasses
 
 import flax.struct
-import jax
 import jax.numpy as jnp
 
 from jetspec_jax.typing import Array, Int
@@ -110,8 +109,3 @@ def commit_path(
     v=tuple(map(move, cache.v)),
     lengths=(start + num_accepted + 1).astype(jnp.int32),
   )
-
-
-def cache_bytes(cache: KVCache) -> int:
-  """Bytes held by the cache buffers."""
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v)))

@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import grain
-import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -79,38 +77,6 @@ def prompts_from_config(data_config, vocab_size: int) -> list[np.ndarray]:
   return read_prompts_jsonl(data_config.prompts)[: data_config.num_prompts or None]
 
 
-def generate_batch(
-  target: qwen3.Target,
-  prompts: Sequence[np.ndarray],
-  *,
-  max_new_tokens: int,
-  temperature: float = 0.0,
-  seed: int = 0,
-  eos: int | None = None,
-) -> list[np.ndarray]:
-  """Batched, jitted regeneration: the target's response (EOS included) to each prompt."""
-  if not prompts:
-    return []
-  lens = np.array([len(p) for p in prompts], np.int32)
-  if lens.min() < 1:
-    raise ValueError('empty prompt')
-  padded = np.zeros((len(prompts), decoding.bucket(lens.max())), np.int32)
-  for i, p in enumerate(prompts):
-    padded[i, : len(p)] = p
-  capacity = decoding.bucket(lens.max() + max_new_tokens)
-  out, counts = decoding.ar_loop(
-    target,
-    jnp.asarray(padded),
-    jnp.asarray(lens),
-    jax.random.key(seed),
-    capacity=capacity,
-    max_new_tokens=max_new_tokens,
-    sampling=decoding.Sampling(float(temperature), eos=eos),
-  )
-  out, counts = jax.device_get((out, counts))
-  return [out[i, : counts[i]] for i in range(len(prompts))]
-
-
 def generate_dataset(
   target: qwen3.Target,
   prompts: Sequence[Sequence[int]] | Callable[[], Iterable[Sequence[int]]],
@@ -161,14 +127,17 @@ def generate_dataset(
     sequences, masks = [], []
     for b in range(0, len(chunk), batch_size):
       batch = chunk[b : b + batch_size]
-      responses = generate_batch(
+      outputs = decoding.generate(  # batched, jitted AR; each row stops at its own EOS
         target,
-        batch,
+        None,
+        list(batch),
+        method='ar',
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed * 100_003 + shard_idx * 1_009 + b,
-        eos=eos,
+        eos_id=eos,
       )
+      responses = [o.tokens for o in outputs]
       for prompt, response in zip(batch, responses):
         seq = np.concatenate([prompt, response])[:max_len]
         mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(response), np.uint8)])

@@ -96,6 +96,9 @@ def lm_loss(params, cfg: qwen3.Qwen3Config, windows):
   return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
 
+_lm_loss_jit = jax.jit(lm_loss, static_argnums=1)
+
+
 def make_lm_step(cfg: qwen3.Qwen3Config, optimizer):
   @jax.jit
   def step(state: train_lib.TrainState, windows):
@@ -110,9 +113,8 @@ def make_lm_step(cfg: qwen3.Qwen3Config, optimizer):
 
 def evaluate(params, cfg, stream: np.ndarray, *, batch: int, seq_len: int, num_batches: int):
   """Mean validation loss over fixed windows."""
-  loss_fn = jax.jit(lm_loss, static_argnums=1)
   losses = [
-    float(loss_fn(params, cfg, batch_at(stream, i, batch, seq_len, seed=12345)))
+    float(_lm_loss_jit(params, cfg, batch_at(stream, i, batch, seq_len, seed=12345)))
     for i in range(num_batches)
   ]
   return float(np.mean(losses))
