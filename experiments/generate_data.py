@@ -12,12 +12,18 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jetspec_jax import sharding
+from jetspec_jax.training import chat_data
 from jetspec_jax.training import data as data_lib
 from jetspec_jax.training import train as train_lib
 
 
 def run(config, workdir: str) -> list[pathlib.Path]:
   target = train_lib.load_target_from_config(config.target)
+  if config.data.prompts == 'chat_mix':  # an instruct target: prompts made offline, 2 stages
+    tokenizer = chat_data.tokenizer_for(config.target)
+    data_dir, counts = chat_data.generate_chat_dataset(config, target, tokenizer, workdir)
+    logging.info('chat data: %s', counts)
+    return sorted(data_dir.rglob('shard_*.npz'))
   return data_lib.generate_from_config(
     config, target, config.data.dir or pathlib.Path(workdir) / 'data'
   )

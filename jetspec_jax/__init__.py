@@ -11,7 +11,7 @@ The public API (DESIGN.md §4)::
 from jetspec_jax import decoding, kv_cache, sharding, testing, tree, verify, viz
 from jetspec_jax.decoding import GenerateOutput, GenerationStats, generate
 from jetspec_jax.kv_cache import KVCache
-from jetspec_jax.models import draft_head, hf_io, qwen3
+from jetspec_jax.models import draft_head, gguf_io, hf_io, qwen3
 from jetspec_jax.models.draft_head import DraftHead, DraftHeadConfig
 from jetspec_jax.models.hf_io import (
   CheckpointError,
@@ -21,6 +21,7 @@ from jetspec_jax.models.hf_io import (
   save_target,
 )
 from jetspec_jax.models.qwen3 import Qwen3Config, Target
+from jetspec_jax.tokenizer import Tokenizer, load_tokenizer
 from jetspec_jax.tree import Tree
 
 __version__ = '0.1.0'
@@ -34,14 +35,17 @@ __all__ = [
   'KVCache',
   'Qwen3Config',
   'Target',
+  'Tokenizer',
   'Tree',
   'decoding',
   'draft_head',
   'generate',
+  'gguf_io',
   'hf_io',
   'kv_cache',
   'load_draft_head',
   'load_target',
+  'load_tokenizer',
   'qwen3',
   'save_draft_head',
   'save_target',

@@ -9,6 +9,7 @@ prompts of similar lengths share one compilation.
 import dataclasses
 import functools
 import time
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import jax
@@ -61,14 +62,17 @@ def bucket(n: int, minimum: int = 16) -> int:
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
-def prefill(target: qwen3.Target, prompts, prompt_lens, capacity: int, taps=()):
+def prefill(
+  target: qwen3.Target, prompts, prompt_lens, capacity: int, taps=(), with_hidden: bool = False
+):
   """Runs the target over right-padded prompts ``int32[B, Pb]`` of true lengths ``prompt_lens``.
 
   Padding rows are written to slot ``capacity`` (dropped), so each cache row holds exactly its
   prompt (``lengths = prompt_lens``); causal by slot, and padding comes after every real row.
 
   Returns:
-    (cache, last_logits ``[B, V]`` float32, taps ``[B, Pb, n_taps*D]`` or None)
+    (cache, last_logits ``[B, V]`` float32, taps ``[B, Pb, n_taps*D]`` or None); with
+    ``with_hidden`` the taps are followed by the final-normed hidden states on the feature axis.
   """
   b, pb = prompts.shape
   positions = jnp.broadcast_to(jnp.arange(pb, dtype=jnp.int32)[None], (b, pb))
@@ -77,7 +81,13 @@ def prefill(target: qwen3.Target, prompts, prompt_lens, capacity: int, taps=()):
     prompts, target.make_cache(b, capacity), positions=positions, slots=slots, taps=taps
   )
   last = jnp.take_along_axis(out.hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-  return out.cache, target.lm_logits(last).astype(jnp.float32), out.taps
+  features = with_features(out) if with_hidden else out.taps
+  return out.cache, target.lm_logits(last).astype(jnp.float32), features
+
+
+def with_features(out: qwen3.ForwardOutput):
+  """``[taps | hidden]``: what a head reads and what its teacher's logits come from."""
+  return jnp.concatenate([out.taps, out.hidden.astype(out.taps.dtype)], axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,53 +97,90 @@ class Sampling:
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
-  eos: int | None = None
+  eos: tuple[int, ...] = ()  # stop ids
 
   def sample(self, logits, key):
     return verify_lib.sample_tokens(logits, key, self.temperature, self.top_k, self.top_p)
 
   def is_eos(self, tokens):
-    return jnp.zeros(tokens.shape, bool) if self.eos is None else tokens == self.eos
+    hit = jnp.zeros(tokens.shape, bool)
+    for stop in self.eos:
+      hit = hit | (tokens == stop)
+    return hit
 
 
-@functools.partial(jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling'))
-def ar_loop(target, prompts, prompt_lens, key, *, capacity, max_new_tokens, sampling: Sampling):
+def stop_ids(eos_id, default: int | None) -> tuple[int, ...]:
+  """``eos_id`` (None, one id or a collection of ids) as a sorted tuple of stop ids."""
+  if eos_id is None:
+    eos_id = default
+  if eos_id is None:
+    return ()
+  if isinstance(eos_id, int | np.integer):
+    return (int(eos_id),)
+  return tuple(sorted({int(i) for i in eos_id}))
+
+
+@functools.partial(
+  jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling', 'feature_taps')
+)
+def ar_loop(
+  target,
+  prompts,
+  prompt_lens,
+  key,
+  *,
+  capacity,
+  max_new_tokens,
+  sampling: Sampling,
+  feature_taps: tuple[int, ...] = (),
+):
   """Batched autoregressive decoding on device.
 
   Args:
     prompts: ``int32[B, Pb]`` right-padded prompts.
     prompt_lens: ``int32[B]`` true lengths.
+    feature_taps: if given, also collect each fed token's features (taps of these layers, then
+      the final-normed hidden state), as training data for heads (no extra target pass).
 
   Returns:
-    (tokens ``int32[B, max_new_tokens]``, counts ``int32[B]``): sequence ``b`` generated
-    ``counts[b]`` tokens (EOS included); it stops at EOS while the others go on.
+    (tokens ``int32[B, max_new_tokens]``, counts ``int32[B]``, features): sequence ``b``
+    generated ``counts[b]`` tokens (EOS included); it stops at EOS while the others go on.
+    ``features`` is None, or ``(prompt_features [B, Pb, F], new_features [B, max_new_tokens, F])``
+    where ``new_features[:, i]`` belongs to generated token ``i`` (the last one is never fed).
   """
   b = prompts.shape[0]
-  cache, last_logits, _ = prefill(target, prompts, prompt_lens, capacity)
+  collect = bool(feature_taps)
+  cache, last_logits, prompt_features = prefill(
+    target, prompts, prompt_lens, capacity, taps=feature_taps, with_hidden=collect
+  )
   key, sub = jax.random.split(key)
   first = sampling.sample(last_logits, sub)
   out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
   counts = jnp.ones((b,), jnp.int32)
+  width = prompt_features.shape[-1] if collect else 0
+  feats = jnp.zeros((b, max_new_tokens if collect else 0, width), target.dtype)
 
   def cond(state):
     i, _, done, *_ = state
     return (i < max_new_tokens) & ~jnp.all(done)
 
   def body(state):
-    i, tok, done, counts, cache, out, key = state
-    step = target.forward(tok[:, None], cache)
+    i, tok, done, counts, cache, out, feats, key = state
+    step = target.forward(tok[:, None], cache, taps=feature_taps)
+    if collect:
+      feats = feats.at[:, i - 1].set(with_features(step)[:, 0])
     logits = target.lm_logits(step.hidden[:, 0]).astype(jnp.float32)
     key, sub = jax.random.split(key)
     nxt = sampling.sample(logits, sub)
     out = out.at[:, i].set(jnp.where(done, 0, nxt))
     counts = counts + (~done).astype(jnp.int32)
     done = done | sampling.is_eos(nxt)
-    return i + 1, nxt, done, counts, step.cache, out, key
+    return i + 1, nxt, done, counts, step.cache, out, feats, key
 
   done = sampling.is_eos(first)
-  init = (jnp.int32(1), first, done, counts, cache, out, key)
-  _, _, _, counts, _, out, _ = jax.lax.while_loop(cond, body, init)
-  return out, counts
+  init = (jnp.int32(1), first, done, counts, cache, out, feats, key)
+  _, _, _, counts, _, out, feats, _ = jax.lax.while_loop(cond, body, init)
+  return out, counts, ((prompt_features, feats) if collect else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,10 +390,10 @@ def _is_batch(prompt_ids) -> bool:
   )
 
 
-def _truncate(tokens: np.ndarray, n: int, max_new_tokens: int, eos: int | None) -> np.ndarray:
+def _truncate(tokens: np.ndarray, n: int, max_new_tokens: int, eos: tuple[int, ...]) -> np.ndarray:
   tokens = np.asarray(tokens[: min(n, max_new_tokens)])
-  if eos is not None:
-    hits = np.flatnonzero(tokens == eos)
+  if eos:
+    hits = np.flatnonzero(np.isin(tokens, eos))
     if hits.size:
       tokens = tokens[: hits[0] + 1]
   return tokens
@@ -366,6 +413,50 @@ def _collect(out, counts, wall, max_new_tokens, eos, taus=None, rounds=None):
   return results
 
 
+def generate_with_features(
+  target: qwen3.Target,
+  prompt_list,
+  *,
+  feature_taps: tuple[int, ...],
+  max_new_tokens: int,
+  temperature: float = 0.0,
+  top_p: float = 1.0,
+  seed: int = 0,
+  eos_id=None,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Batched AR generation that also returns every sequence's features (training data).
+
+  Returns:
+    Per prompt ``(response_tokens, features)``: ``features [P + n, F]`` for the ``P`` prompt and
+    ``n`` response tokens, ``F = len(feature_taps) * D + D`` (taps, then the final-normed hidden
+    state); the last response token's row is zeros (the target never reads it).
+  """
+  if not feature_taps:
+    raise ValueError('feature_taps must name at least one target layer')
+  eos = stop_ids(eos_id, target.cfg.eos_token_id)
+  sampling = Sampling(float(temperature), 0, float(top_p), eos)
+  prompts, lengths, capacity = _prepare_prompts(target, prompt_list, max_new_tokens)
+  out, n, (prompt_feats, new_feats) = jax.device_get(
+    ar_loop(
+      target,
+      prompts,
+      lengths,
+      jax.random.key(seed),
+      capacity=capacity,
+      max_new_tokens=max_new_tokens,
+      sampling=sampling,
+      feature_taps=tuple(feature_taps),
+    )
+  )
+  results = []
+  for i, p_len in enumerate(np.asarray(lengths)):
+    tokens = _truncate(out[i], int(n[i]), max_new_tokens, eos)
+    feats = np.concatenate([prompt_feats[i, :p_len], new_feats[i, : len(tokens)]])
+    feats[-1] = 0  # the last token is never fed to the target
+    results.append((tokens, feats))
+  return results
+
+
 def generate(
   target: qwen3.Target,
   head: draft_head_lib.DraftHead | None = None,
@@ -379,7 +470,7 @@ def generate(
   top_p: float = 1.0,
   top_k: int = 0,
   seed: int = 0,
-  eos_id: int | None = None,
+  eos_id: int | Iterable[int] | None = None,
   tree_algorithm: str = 'accum_logp',
   min_prompt_bucket: int = 0,
   min_capacity: int = 0,
@@ -400,7 +491,8 @@ def generate(
     top_p: nucleus filtering of the target's distribution when sampling.
     top_k: top-k filtering of the target's distribution when sampling (0: off).
     seed: PRNG seed.
-    eos_id: stop token; defaults to the target config's ``eos_token_id``.
+    eos_id: stop token id or a collection of them (e.g. a tokenizer's ``eos_ids``); defaults
+      to the target config's ``eos_token_id``.
     tree_algorithm: ``'accum_logp'`` or ``'top2gap'``.
     min_prompt_bucket: pad the prompt to at least this many positions (shared compilations).
     min_capacity: cache capacity of at least this many slots (shared compilations).
@@ -416,7 +508,7 @@ def generate(
     raise ValueError(f'{top_p=} must be in (0, 1]')
   if top_k < 0 or top_k > target.cfg.vocab_size:
     raise ValueError(f'{top_k=} must be in [0, vocab_size={target.cfg.vocab_size}]')
-  eos = target.cfg.eos_token_id if eos_id is None else int(eos_id)
+  eos = stop_ids(eos_id, target.cfg.eos_token_id)
   sampling = Sampling(float(temperature), int(top_k), float(top_p), eos)
   key = jax.random.key(seed)
   batch = _is_batch(prompt_ids)
@@ -426,7 +518,7 @@ def generate(
       target, prompt_list, max_new_tokens, 0, min_prompt_bucket, min_capacity
     )
     start = time.perf_counter()
-    out, n = ar_loop(
+    out, n, _ = ar_loop(
       target,
       prompts,
       lengths,

@@ -1,26 +1,73 @@
-"""The byte-level BPE tokenizer of the embedded default (a ``tokenizer.json``)."""
+"""Tokenizers: an HF ``tokenizer.json`` directory or the vocabulary inside a GGUF file.
 
+``js.load_tokenizer(path)`` returns a :class:`Tokenizer` with ``encode``, ``decode``,
+``apply_chat_template`` (the model's own Jinja template, rendered with ``jinja2``) and ``eos_ids``
+(every id that ends a turn). A GGUF file's byte-level BPE (``tokenizer.ggml.model == 'gpt2'``) is
+rebuilt with the ``tokenizers`` library from the stored tokens and merges; tokens the file marks as
+control become special tokens, so ``<|im_start|>`` in a rendered chat template encodes to one id.
+"""
+
+import json
 import os
 import pathlib
+from collections.abc import Iterable, Mapping, Sequence
 
+import jinja2.sandbox
 import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from jetspec_jax.models import gguf_io
+from jetspec_jax.models.checkpoint_files import CheckpointError
 
 EOS = '<|endoftext|>'
 MASK = '<|mask|>'
+# End-of-turn tokens of the common chat formats; each one present in a vocabulary stops generation.
+END_OF_TURN_TOKENS = (
+  '<|im_end|>',
+  '<|endoftext|>',
+  '<|eot_id|>',
+  '<|end_of_text|>',
+  '<end_of_turn>',
+)
+_CONTROL = 3  # llama.cpp's token type for control (special) tokens
+_USER_DEFINED = 4
 
 
 class Tokenizer:
-  """A thin wrapper over ``tokenizers.Tokenizer`` with the ids the project needs."""
+  """A ``tokenizers.Tokenizer`` with the ids, chat template and stop ids the project needs.
 
-  def __init__(self, path: str | os.PathLike):
-    from tokenizers import Tokenizer as _Tokenizer
+  ``Tokenizer(path)`` reads a ``tokenizer.json`` (or a directory holding one, with its
+  ``tokenizer_config.json`` and ``generation_config.json`` when present).
+  """
 
-    path = pathlib.Path(path)
-    if path.is_dir():
-      path = path / 'tokenizer.json'
-    if not path.exists():
-      raise FileNotFoundError(f'no tokenizer at {path}')
-    self._tok = _Tokenizer.from_file(str(path))
+  def __init__(
+    self,
+    path: str | os.PathLike | None = None,
+    *,
+    backend: tokenizers.Tokenizer | None = None,
+    chat_template: str | None = None,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    extra_eos_ids: Iterable[int] = (),
+  ):
+    if (path is None) == (backend is None):
+      raise ValueError('give either a tokenizer.json path or a tokenizers backend')
+    if path is not None:
+      backend, found = _read_hf_dir(pathlib.Path(path))
+      chat_template = chat_template or found.get('chat_template')
+      bos_token = bos_token or found.get('bos_token')
+      eos_token = eos_token or found.get('eos_token')
+      extra_eos_ids = (*extra_eos_ids, *found.get('eos_ids', ()))
+    self._tok = backend
+    self.chat_template = chat_template
+    self.bos_token = bos_token
+    self.eos_token = eos_token if eos_token is not None else self._present(EOS)
+    ids = {self._tok.token_to_id(t) for t in (self.eos_token, *END_OF_TURN_TOKENS) if t}
+    self.eos_ids = frozenset(int(i) for i in (ids | set(extra_eos_ids)) if i is not None)
+
+  def _present(self, token: str) -> str | None:
+    return token if self._tok.token_to_id(token) is not None else None
 
   @property
   def vocab_size(self) -> int:
@@ -28,14 +75,159 @@ class Tokenizer:
 
   @property
   def eos_id(self) -> int | None:
-    return self._tok.token_to_id(EOS)
+    """The id of the EOS token (``eos_ids`` holds every stop id)."""
+    return self._tok.token_to_id(self.eos_token) if self.eos_token else None
 
   @property
   def mask_id(self) -> int | None:
     return self._tok.token_to_id(MASK)
 
-  def encode(self, text: str) -> np.ndarray:
-    return np.asarray(self._tok.encode(text).ids, np.int32)
+  def token_to_id(self, token: str) -> int | None:
+    return self._tok.token_to_id(token)
 
-  def decode(self, ids) -> str:
-    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+  def encode(self, text: str) -> list[int]:
+    """Token ids of ``text``; special tokens written in the text map to their ids."""
+    return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+  def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt=True) -> str:
+    """The chat template rendered as text."""
+    if not self.chat_template:
+      raise ValueError('this tokenizer has no chat template')
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals['raise_exception'] = _raise_template_error
+    return env.from_string(self.chat_template).render(
+      messages=list(messages),
+      add_generation_prompt=add_generation_prompt,
+      bos_token=self.bos_token or '',
+      eos_token=self.eos_token or '',
+    )
+
+  def apply_chat_template(
+    self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+  ) -> list[int]:
+    """Token ids of ``messages`` in the model's chat format (the model's own template)."""
+    return self.encode(self.render_chat(messages, add_generation_prompt))
+
+  def save(self, path: str | os.PathLike) -> None:
+    """Writes ``tokenizer.json`` and ``tokenizer_config.json`` into directory ``path``."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    self._tok.save(str(path / 'tokenizer.json'))
+    config = dict(
+      chat_template=self.chat_template,
+      bos_token=self.bos_token,
+      eos_token=self.eos_token,
+      eos_ids=sorted(self.eos_ids),
+    )
+    (path / 'tokenizer_config.json').write_text(json.dumps(config, indent=2))
+
+
+def _raise_template_error(message):
+  raise jinja2.exceptions.TemplateError(message)
+
+
+def _read_hf_dir(path: pathlib.Path) -> tuple[tokenizers.Tokenizer, dict]:
+  """``tokenizer.json`` plus what ``tokenizer_config.json`` / ``generation_config.json`` add."""
+  directory = path if path.is_dir() else path.parent
+  file = path / 'tokenizer.json' if path.is_dir() else path
+  if not file.exists():
+    raise FileNotFoundError(f'no tokenizer at {file}')
+  backend = tokenizers.Tokenizer.from_file(str(file))
+  found: dict = {}
+  config_file = directory / 'tokenizer_config.json'
+  if config_file.exists():
+    config = json.loads(config_file.read_text())
+    for key in ('chat_template', 'bos_token', 'eos_token'):
+      value = config.get(key)
+      if isinstance(value, Mapping):  # an AddedToken written out as a dict
+        value = value.get('content')
+      if value is not None:
+        found[key] = value
+    found['eos_ids'] = list(config.get('eos_ids', ()))
+  for name in ('generation_config.json', 'config.json'):
+    cfg_file = directory / name
+    if cfg_file.exists():
+      eos = json.loads(cfg_file.read_text()).get('eos_token_id')
+      found['eos_ids'] = [*found.get('eos_ids', ()), *np.atleast_1d(eos if eos is not None else [])]
+  return backend, found
+
+
+def _byte_level_backend(tokens: list[str], merges: list[str], pre: str | None):
+  """A byte-level BPE ``tokenizers.Tokenizer`` from GGUF's token list and merges."""
+  vocab = {token: i for i, token in enumerate(tokens)}
+  pairs = [tuple(m.split(' ', 1)) for m in merges]
+  backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if pre == 'smollm':  # SmolLM's own pre-tokenizer: every digit is a piece of its own
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+      [pre_tokenizers.Digits(individual_digits=True), byte_level]
+    )
+  else:
+    backend.pre_tokenizer = byte_level
+  backend.decoder = decoders.ByteLevel()
+  return backend
+
+
+def tokenizer_from_gguf(path: str | os.PathLike) -> Tokenizer:
+  """The tokenizer stored in a GGUF file's metadata (byte-level BPE vocabularies)."""
+  keys = (
+    'tokenizer.ggml.model',
+    'tokenizer.ggml.pre',
+    'tokenizer.ggml.tokens',
+    'tokenizer.ggml.merges',
+    'tokenizer.ggml.token_type',
+    'tokenizer.ggml.bos_token_id',
+    'tokenizer.ggml.eos_token_id',
+    'tokenizer.chat_template',
+  )
+  meta = gguf_io.read_metadata(path, keys)
+  kind = meta.get('tokenizer.ggml.model')
+  if kind != 'gpt2':
+    raise CheckpointError(
+      f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')"
+    )
+  tokens = list(meta['tokenizer.ggml.tokens'])
+  if 'tokenizer.ggml.merges' not in meta:
+    raise CheckpointError(f'{path} stores no tokenizer.ggml.merges')
+  backend = _byte_level_backend(
+    tokens, list(meta['tokenizer.ggml.merges']), meta.get('tokenizer.ggml.pre')
+  )
+  types = list(meta.get('tokenizer.ggml.token_type') or [])
+  special = [t for t, kind in zip(tokens, types) if kind == _CONTROL]
+  added = [t for t, kind in zip(tokens, types) if kind == _USER_DEFINED]
+  backend.add_special_tokens(
+    [tokenizers.AddedToken(t, normalized=False, special=True) for t in special]
+  )
+  if added:
+    backend.add_tokens([tokenizers.AddedToken(t, normalized=False) for t in added])
+
+  def token(key):
+    i = meta.get(key)
+    return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+  return Tokenizer(
+    backend=backend,
+    chat_template=meta.get('tokenizer.chat_template'),
+    bos_token=token('tokenizer.ggml.bos_token_id'),
+    eos_token=token('tokenizer.ggml.eos_token_id'),
+  )
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+  """A :class:`Tokenizer` from a GGUF file or an HF directory / ``tokenizer.json``.
+
+  Raises:
+    FileNotFoundError: nothing at ``path``.
+    CheckpointError: a GGUF file with an unsupported tokenizer model.
+  """
+  path = pathlib.Path(path)
+  if path.suffix == '.gguf':
+    if not path.is_file():
+      raise FileNotFoundError(f'GGUF file {path} does not exist')
+    return tokenizer_from_gguf(path)
+  if not path.exists():
+    raise FileNotFoundError(f'no tokenizer at {path}')
+  return Tokenizer(path)

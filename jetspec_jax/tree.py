@@ -79,6 +79,11 @@ def ancestor_mask(parents: Int[Array, ' M'], max_depth: int) -> Bool[Array, 'M M
   return anc
 
 
+def max_expansions(budget: int, min_children: int) -> int:
+  """Expansions that can add nodes: each adds ``>= min_children`` until the budget is full."""
+  return -(-(budget - 1) // max(1, min_children))
+
+
 def build_with_caps(
   topk_ids: Int[Array, 'D W'],
   topk_logprobs: Float[Array, 'D W'],
@@ -86,15 +91,22 @@ def build_with_caps(
   caps: Int[Array, ' D'],
   *,
   anchor: int | Array = 0,
+  min_children: int = 1,
 ) -> Tree:
   """Best-first tree with at most ``caps[d]`` children per depth-``d`` parent (spec §D.2).
 
   Repeatedly pops the unexpanded node with the highest cumulative score (ties: the earliest
   created, i.e. first-in-first-out) and appends its children in rank order,
   ``min(caps[depth], W, budget - num_nodes)`` of them, so the last expansion may be partial.
-  Nodes at depth ``D`` are popped but not expanded. Stops at ``budget`` nodes (the root counts)
-  or when nothing is left to expand. Every parent at depth ``d`` gets the same candidates
-  ``topk_ids[d]`` (shared per-depth marginals).
+  Nodes at depth ``D`` are never expanded. Stops at ``budget`` nodes (the root counts) or when
+  nothing is left to expand. Every parent at depth ``d`` gets the same candidates ``topk_ids[d]``
+  (shared per-depth marginals).
+
+  The loop has a static trip count (no data-dependent predicate, which an accelerator would copy
+  to the host each iteration): max-depth nodes never enter the frontier (the reference pops them
+  without effect, so skipping them changes nothing), hence every iteration that still has room
+  adds ``>= min_children`` nodes (a lower bound on the non-zero caps) and
+  :func:`max_expansions` iterations suffice; iterations past the end add nothing.
 
   Args:
     topk_ids: ``[D, W]`` candidate tokens; row ``d`` holds candidates for depth ``d + 1``.
@@ -102,6 +114,8 @@ def build_with_caps(
     budget: static number of node slots (root included), ``>= 1``.
     caps: ``[D]`` children per parent at each depth.
     anchor: the root token.
+    min_children: a static lower bound on every non-zero ``min(caps[d], W)`` (sets the trip
+      count; 1 is always safe).
 
   Returns:
     A :class:`Tree` of size ``budget``.
@@ -123,24 +137,20 @@ def build_with_caps(
     num_nodes=jnp.int32(1),
   )
   popped = jnp.zeros((budget,), bool)
-  caps = jnp.minimum(caps, width)
+  caps = jnp.clip(caps, 0, width)
   logprobs = jnp.asarray(topk_logprobs, jnp.float32)
 
-  def frontier(tree, popped):
-    return (idx < tree.num_nodes) & ~popped
-
-  def cond(state):
+  def body(_, state):
     tree, popped = state
-    return (tree.num_nodes < budget) & jnp.any(frontier(tree, popped))
-
-  def body(state):
-    tree, popped = state
+    # Nodes that cannot get children (max depth, or a zero cap) never enter the frontier.
+    expandable = (tree.depths < max_depth) & (caps[jnp.minimum(tree.depths, max_depth - 1)] > 0)
+    frontier = (idx < tree.num_nodes) & ~popped & expandable
     # argmax returns the first maximum: equal scores break ties by creation order (FIFO).
-    v = jnp.argmax(jnp.where(frontier(tree, popped), tree.scores, -jnp.inf))
+    v = jnp.argmax(jnp.where(frontier, tree.scores, -jnp.inf))
     popped = popped.at[v].set(True)
     depth = tree.depths[v]
     row = jnp.minimum(depth, max_depth - 1)
-    count = jnp.where(depth < max_depth, jnp.minimum(caps[row], budget - tree.num_nodes), 0)
+    count = jnp.where(jnp.any(frontier), jnp.minimum(caps[row], budget - tree.num_nodes), 0)
     rank = jnp.arange(width)
     dst = jnp.where(rank < count, tree.num_nodes + rank, budget)  # out of range: dropped
     tree = tree.replace(
@@ -152,7 +162,8 @@ def build_with_caps(
     )
     return tree, popped
 
-  tree, _ = jax.lax.while_loop(cond, body, (tree, popped))
+  steps = max_expansions(budget, min(min_children, width))
+  tree, _ = jax.lax.fori_loop(0, steps, body, (tree, popped), unroll=steps <= 64)
   return tree
 
 
@@ -167,8 +178,9 @@ def accum_logp(
 
   ``budget`` counts the root: ``budget = 255`` gives the anchor plus 254 draft nodes.
   """
-  caps = jnp.full((topk_ids.shape[0],), topk_ids.shape[1], jnp.int32)
-  return build_with_caps(topk_ids, topk_logprobs, budget, caps, anchor=anchor)
+  width = topk_ids.shape[1]
+  caps = jnp.full((topk_ids.shape[0],), width, jnp.int32)
+  return build_with_caps(topk_ids, topk_logprobs, budget, caps, anchor=anchor, min_children=width)
 
 
 def top2gap_caps(

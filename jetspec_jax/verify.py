@@ -26,7 +26,7 @@ from jetspec_jax.typing import Array, Bool, Float, Int
 
 
 class Verified(NamedTuple):
-  logits: Float[Array, 'B M V']  # float32 target logits per node
+  logits: Float[Array, 'B M V']  # target logits per node (the target's compute dtype)
   features: Array | None  # [B, M, n_taps * D] taps per node
   cache: kv_lib.KVCache  # tree K/V written at slots P .. P+M-1
 
@@ -51,7 +51,9 @@ def verify_tree(
   slots = start[:, None] + jnp.arange(m, dtype=jnp.int32)[None]
   mask = qwen3.TailMask(start, anc)
   out = target.forward(tree.tokens, cache, positions=positions, slots=slots, mask=mask, taps=taps)
-  logits = target.lm_logits(out.hidden).astype(jnp.float32)
+  # The compute dtype's logits: argmax needs no float32 copy of every node's [V] row (sampling
+  # casts what it uses).
+  logits = target.lm_logits(out.hidden)
   return Verified(logits, out.taps, out.cache)
 
 
@@ -64,13 +66,14 @@ def process_logits(
     kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   if top_p < 1.0:
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    # One sort of the values: keep a token if the mass strictly above it in the sorted order is
+    # < top_p (the top token always stays); the kept set is a prefix, so it is everything at or
+    # above the smallest kept logit (ties at that value are all kept).
+    sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep a token if the mass strictly before it is < top_p (the top token always stays).
-    keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p
-    keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
-    logits = jnp.where(keep, logits, -jnp.inf)
+    num_kept = jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < top_p, axis=-1, keepdims=True)
+    threshold = jnp.take_along_axis(sorted_logits, jnp.maximum(num_kept, 1) - 1, axis=-1)
+    logits = jnp.where(logits >= threshold, logits, -jnp.inf)
   return logits
 
 

@@ -127,7 +127,7 @@ def test_unsupported_architecture(saved, tmp_path):
   _, path = saved
   ckpt = copy(path, tmp_path)
   config = json.loads((ckpt / 'config.json').read_text())
-  config.update(architectures=['LlamaForCausalLM'], model_type='llama')
+  config.update(architectures=['MistralForCausalLM'], model_type='mistral')
   (ckpt / 'config.json').write_text(json.dumps(config))
   with pytest.raises(js.CheckpointError, match='unsupported architecture'):
     js.load_target(ckpt)

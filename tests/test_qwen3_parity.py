@@ -1,10 +1,11 @@
-"""Parity with Hugging Face transformers on tiny random Qwen3 and Qwen3-MoE models.
+"""Parity with Hugging Face transformers on tiny random Qwen3, Qwen3-MoE, Llama and Qwen2 models.
 
 Models are built offline from a config with a fixed seed, their weights perturbed so that every
 tensor (norm scales included) matters, saved with ``save_pretrained`` and loaded with
 ``js.load_target``. Max |logit diff| must stay <= 1e-4 in float32.
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -48,18 +49,45 @@ CASES = {
     moe_intermediate_size=19,
     norm_topk_prob=False,
   ),
+  # The Llama family: no q/k norm; Llama-3 RoPE scaling; Qwen2's q/k/v biases.
+  'llama_gqa_tied': dict(family='llama', num_key_value_heads=2, tie_word_embeddings=True),
+  'llama_mha_untied': dict(family='llama', num_key_value_heads=4, tie_word_embeddings=False),
+  'llama3_rope_gqa': dict(
+    family='llama',
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+    rope_parameters=dict(
+      rope_type='llama3',
+      rope_theta=10000.0,
+      factor=8.0,
+      low_freq_factor=1.0,
+      high_freq_factor=4.0,
+      original_max_position_embeddings=64,
+    ),
+  ),
+  'qwen2_bias': dict(family='qwen2', num_key_value_heads=2, tie_word_embeddings=True),
 }
+HF_CLASSES = {
+  'qwen3': ('Qwen3Config', 'Qwen3ForCausalLM'),
+  'moe': ('Qwen3MoeConfig', 'Qwen3MoeForCausalLM'),
+  'llama': ('LlamaConfig', 'LlamaForCausalLM'),
+  'qwen2': ('Qwen2Config', 'Qwen2ForCausalLM'),
+}
+
+
+def family(case: str) -> str:
+  return CASES[case].get('family', 'moe' if 'num_experts' in CASES[case] else 'qwen3')
 
 
 def build_hf_model(case: str, seed: int = 0):
   kwargs = {**BASE, **CASES[case]}
+  kwargs.pop('family', None)
   torch.manual_seed(seed)
-  if 'num_experts' in kwargs:
+  config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[family(case)])
+  if family(case) == 'moe':
     # The eager expert loop: torch's grouped matmul needs 16-byte strides our odd sizes lack.
-    config = transformers.Qwen3MoeConfig(**kwargs, experts_implementation='eager')
-    model = transformers.Qwen3MoeForCausalLM(config)
-  else:
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs))
+    kwargs['experts_implementation'] = 'eager'
+  model = model_cls(config_cls(**kwargs))
   with torch.no_grad():
     for name, p in model.named_parameters():
       if name.endswith('norm.weight'):
@@ -67,6 +95,26 @@ def build_hf_model(case: str, seed: int = 0):
       else:
         p.copy_(0.15 * torch.randn_like(p))
   return model.eval()
+
+
+def test_families_load_with_their_switches(saved):
+  case, _, path = saved
+  cfg = js.load_target(path).cfg
+  assert cfg.qk_norm == (family(case) in ('qwen3', 'moe'))
+  assert cfg.attention_bias == (family(case) == 'qwen2')
+  assert (cfg.rope_scaling is not None) == (case == 'llama3_rope_gqa')
+
+
+def test_llama3_rope_scaling_matters():
+  """The scaled case would fail without the scaling: the check can see it."""
+  model = build_hf_model('llama3_rope_gqa')
+  ids = js.testing.random_ids(1, (1, 40), BASE['vocab_size'])
+  want, _ = hf_outputs(model, ids)
+  cfg = js.hf_io.config_from_hf(model.config.to_dict())
+  tensors = {k: v.numpy() for k, v in model.state_dict().items()}
+  unscaled = dataclasses.replace(cfg, rope_scaling=None)
+  target = js.Target(cfg=unscaled, params=js.hf_io.params_from_hf(tensors, unscaled))
+  assert np.abs(np.asarray(target.logits(ids)) - want).max() > 100 * TOL
 
 
 def hf_outputs(model, ids: np.ndarray):
@@ -110,8 +158,8 @@ def test_save_then_transformers_load(saved, tmp_path):
   case, model, path = saved
   target = js.load_target(path)
   js.save_target(target, tmp_path / 'roundtrip')
-  cls = transformers.Qwen3MoeForCausalLM if 'moe' in case else transformers.Qwen3ForCausalLM
-  kwargs = {'experts_implementation': 'eager'} if 'moe' in case else {}
+  cls = getattr(transformers, HF_CLASSES[family(case)][1])
+  kwargs = {'experts_implementation': 'eager'} if family(case) == 'moe' else {}
   reloaded = cls.from_pretrained(tmp_path / 'roundtrip', **kwargs).eval()
   ids = js.testing.random_ids(3, (1, 10), target.cfg.vocab_size)
   want, _ = hf_outputs(model, ids)

@@ -282,3 +282,42 @@ def test_train_draft_binary_end_to_end(tmp_path):
   assert result['tau_after'] > result['tau_before'] + 0.3, result
   saved = json.loads((tmp_path / 'result.json').read_text())
   assert saved['tau_after'] == result['tau_after']
+
+
+def test_stored_features_train_like_the_target_pass(target, head_cfg, dataset, tmp_path):
+  """Shards that store the target's features (collected while generating) give the same data
+  and the same training step as running the target in the step."""
+  _, prompts = dataset
+  taps = head_cfg.target_layer_ids
+  data_lib.generate_dataset(
+    target,
+    prompts[:8],
+    tmp_path,
+    max_len=40,
+    max_new_tokens=30,
+    shard_size=4,
+    batch_size=4,
+    progress=False,
+    feature_taps=taps,
+  )
+  with_features = data_lib.TokenShards(tmp_path, max_len=40)
+  plain = data_lib.TokenShards(dataset[0], max_len=40)
+  assert with_features.feature_taps == taps and plain.feature_taps is None
+  np.testing.assert_array_equal(with_features.tokens, plain.tokens[:8])  # same greedy data
+  item = with_features[5]
+  n = int(item['lengths'])
+  hidden, feats = train_lib.target_pass(target, jnp.asarray(item['tokens'][None, :n]), taps)
+  want = np.concatenate([np.asarray(feats[0]), np.asarray(hidden[0])], axis=-1)
+  np.testing.assert_allclose(item['features'][: n - 1], want[: n - 1], atol=2e-2, rtol=1e-2)
+  assert not item['features'][n - 1 :].any()
+
+  optimizer = train_lib.make_optimizer(lr=1e-3, steps=2, warmup_steps=1)
+  settings = train_lib.StepSettings(num_anchors=8, loss='fkl', loss_chunk=8)
+  step = train_lib.make_train_step(target, head_cfg, optimizer, settings, train_lib.make_mesh(1))
+  batch = data_lib.make_batches(with_features, 4, seed=0)[0]
+  params = dh.init_head_params(head_cfg, jax.random.key(0))
+  _, stored = step(train_lib.init_state(params, optimizer), batch, jax.random.key(1))
+  no_features = {k: v for k, v in batch.items() if k != 'features'}
+  params = dh.init_head_params(head_cfg, jax.random.key(0))
+  _, computed = step(train_lib.init_state(params, optimizer), no_features, jax.random.key(1))
+  np.testing.assert_allclose(float(stored['loss']), float(computed['loss']), rtol=2e-3)

@@ -1,5 +1,6 @@
 """Tree construction: exact reference semantics of accum_logp, caps, ancestor masks."""
 
+import functools
 import heapq
 import itertools
 
@@ -174,3 +175,26 @@ def test_bad_inputs():
     tree_lib.accum_logp(np.zeros((2, 2), np.int32), np.zeros((2, 2), np.float32), 0)
   with pytest.raises(ValueError, match='must both be'):
     tree_lib.accum_logp(np.zeros((2, 2), np.int32), np.zeros((2, 3), np.float32), 4)
+
+
+@pytest.mark.parametrize('seed', range(8))
+def test_static_trip_count_matches_reference_with_any_caps(seed):
+  """The fixed-length builder gives the reference's tree for random caps (zeros included)."""
+  rng = np.random.default_rng(300 + seed)
+  d, w = int(rng.integers(1, 8)), int(rng.integers(1, 8))
+  budget = int(rng.choice([1, 3, 16, 64, 255]))
+  ids = rng.integers(0, 1000, size=(d, w))
+  lps = np.round(-np.sort(rng.exponential(2.0, size=(d, w)), axis=1) * 2).astype(np.float32) / 2
+  caps = rng.integers(0 if seed % 2 else 1, w + 2, size=(d,))
+  tree = jax.jit(tree_lib.build_with_caps, static_argnames='budget')(ids, lps, budget, caps)
+  assert_same(tree, heap_reference(ids, lps, budget, caps=caps))
+
+
+@pytest.mark.parametrize('builder', ['accum_logp', 'top2gap'])
+def test_tree_build_has_no_data_dependent_loop(builder):
+  """No ``while`` with a data-dependent predicate: a fixed trip count (scan or unrolled)."""
+  ids, lps = np.zeros((15, 7), np.int32), np.zeros((15, 7), np.float32)
+  fn = functools.partial(tree_lib.TREE_BUILDERS[builder], budget=255)
+  jaxpr = str(jax.make_jaxpr(fn)(ids, lps))
+  assert ' while[' not in jaxpr and 'while_loop' not in jaxpr
+  assert tree_lib.max_expansions(255, 7) == 37 and tree_lib.max_expansions(1, 7) == 0

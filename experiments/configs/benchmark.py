@@ -7,6 +7,8 @@ Smoke run (CI): ``--config=experiments/configs/benchmark.py:tiny``.
 
 import ml_collections
 
+from jetspec_jax import corpus
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
@@ -16,7 +18,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   )
   config.num_humaneval = 16
   config.num_heldout = 8
-  config.validation_modules = ('json', 'csv', 'textwrap', 'fractions', 'statistics')
+  config.validation_modules = corpus.VALIDATION_MODULES
   config.max_new_tokens = 64
   config.width = 7
   config.budgets = (8, 16, 32, 64, 128, 255)

@@ -18,8 +18,7 @@ on 8 training prompts 1.00 -> 2.74 (JetSpec) and 1.00 -> 2.80 (DFlash-style); as
 import ml_collections
 
 from experiments.configs import draft_tiny
-
-VALIDATION_MODULES = ('json', 'csv', 'textwrap', 'fractions', 'statistics')
+from jetspec_jax import corpus
 
 
 def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
@@ -42,7 +41,7 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     prompts='stdlib_functions',
     tokenizer='assets/target_code_small',
     num_prompts=320,
-    validation_modules=VALIDATION_MODULES,
+    validation_modules=corpus.VALIDATION_MODULES,
     prompt_seed=0,
     max_new_tokens=96,
     max_len=256,

@@ -13,12 +13,14 @@ modules (training loss ~2.2); details in assets/README.md.
 
 import ml_collections
 
+from jetspec_jax import corpus
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.vocab_size = 4096
-  config.validation_modules = ('json', 'csv', 'textwrap', 'fractions', 'statistics')
+  config.validation_modules = corpus.VALIDATION_MODULES
   config.model = ml_collections.ConfigDict(
     dict(
       hidden_size=256,

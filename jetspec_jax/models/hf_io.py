@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint import/export for Qwen3 / Qwen3-MoE targets (no torch needed).
+"""Hugging Face checkpoint import/export for Qwen3 / Qwen3-MoE / Llama / Qwen2 targets (no torch).
 
 Reads ``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``
 with ``safetensors.numpy`` (bfloat16 arrives as ``ml_dtypes.bfloat16``), and writes the same
@@ -10,7 +10,8 @@ Name mapping (HF tensor ``[out, in]`` -> Flax kernel ``[in, out]``, heads split 
   model.layers.i.self_attn.q_proj.weight    [N*H, D]    layers_i/self_attn/q_proj/kernel [D, N, H]
   model.layers.i.self_attn.{k,v}_proj.weight[K*H, D]    .../{k,v}_proj/kernel        [D, K, H]
   model.layers.i.self_attn.o_proj.weight    [D, N*H]    .../o_proj/kernel            [N, H, D]
-  model.layers.i.self_attn.{q,k}_norm.weight[H]         .../{q,k}_norm/scale         [H]
+  model.layers.i.self_attn.{q,k,v}_proj.bias [n*H]  .../{q,k,v}_proj/bias   [n, H]  (Qwen2 only)
+  model.layers.i.self_attn.{q,k}_norm.weight[H]     .../{q,k}_norm/scale   [H]     (Qwen3 only)
   model.layers.i.{input,post_attention}_layernorm.weight  layers_i/<same>/scale      [D]
   model.layers.i.mlp.{gate,up}_proj.weight  [F, D]      layers_i/mlp/<same>/kernel   [D, F]
   model.layers.i.mlp.down_proj.weight       [D, F]      layers_i/mlp/down_proj/kernel [F, D]
@@ -24,6 +25,7 @@ Experts are also accepted in the fused layout (``mlp.experts.gate_up_proj [E, 2f
 ``mlp.experts.down_proj [E, D, f]``); they are always written per expert.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -32,34 +34,69 @@ from collections.abc import Callable, Iterator, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-import safetensors
-import safetensors.numpy
 
-from jetspec_jax.models import draft_head, qwen3
+from jetspec_jax.models import draft_head, gguf_io, qwen3
+from jetspec_jax.models.checkpoint_files import (  # noqa: F401  (re-exported)
+  INDEX_FILE,
+  SINGLE_FILE,
+  CheckpointError,
+  read_config,
+  read_tensors,
+  safetensor_files,
+  write_tensors,
+)
 
-SUPPORTED_ARCHITECTURES = {'Qwen3ForCausalLM': 'qwen3', 'Qwen3MoeForCausalLM': 'qwen3_moe'}
-SINGLE_FILE = 'model.safetensors'
-INDEX_FILE = 'model.safetensors.index.json'
-
-
-class CheckpointError(ValueError):
-  """A checkpoint directory that cannot be read as the expected model."""
+SUPPORTED_ARCHITECTURES = {
+  'Qwen3ForCausalLM': 'qwen3',
+  'Qwen3MoeForCausalLM': 'qwen3_moe',
+  'LlamaForCausalLM': 'llama',
+  'Qwen2ForCausalLM': 'qwen2',
+}
+ARCHITECTURE_OF = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
 
 
 # --------------------------------------------------------------------------------------------
 # Config.
 
 
+def _rope_params(hf: Mapping) -> dict:
+  return dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
+
+
 def rope_theta_from_hf(hf: Mapping) -> float:
   """RoPE theta from ``rope_parameters`` (transformers >= 5) or ``rope_theta``."""
-  params = hf.get('rope_parameters') or hf.get('rope_scaling') or {}
-  rope_type = params.get('rope_type', params.get('type', 'default'))
-  if rope_type not in ('default', None):
-    raise CheckpointError(f'rope_type {rope_type!r} is not supported (only default RoPE)')
-  theta = params.get('rope_theta', hf.get('rope_theta'))
+  theta = _rope_params(hf).get('rope_theta', hf.get('rope_theta'))
   if theta is None:
     raise CheckpointError('config.json gives no rope_theta (nor rope_parameters.rope_theta)')
   return float(theta)
+
+
+def rope_scaling_from_hf(hf: Mapping, *, allow_scaling: bool = True) -> qwen3.RopeScaling | None:
+  """``None`` for default RoPE, a :class:`RopeScaling` for ``rope_type: llama3``."""
+  params = _rope_params(hf)
+  rope_type = params.get('rope_type', params.get('type', 'default'))
+  if rope_type in ('default', None):
+    return None
+  if rope_type != 'llama3' or not allow_scaling:
+    supported = "'default' or 'llama3'" if allow_scaling else "'default'"
+    raise CheckpointError(f'rope_type {rope_type!r} is not supported (only {supported})')
+  try:
+    return qwen3.RopeScaling(
+      factor=float(params['factor']),
+      low_freq_factor=float(params['low_freq_factor']),
+      high_freq_factor=float(params['high_freq_factor']),
+      original_max_position_embeddings=int(params['original_max_position_embeddings']),
+    )
+  except KeyError as e:
+    raise CheckpointError(f'llama3 rope scaling lacks {e.args[0]!r}') from e
+
+
+def rope_params_to_hf(cfg) -> dict:
+  params = {'rope_type': 'default', 'rope_theta': cfg.rope_theta}
+  scaling = getattr(cfg, 'rope_scaling', None)
+  if scaling is not None:
+    params.update(rope_type='llama3', **dataclasses.asdict(scaling))
+  return params
 
 
 def config_from_hf(hf: Mapping) -> qwen3.Qwen3Config:
@@ -72,8 +109,16 @@ def config_from_hf(hf: Mapping) -> qwen3.Qwen3Config:
       f'unsupported architecture {archs or model_type!r}; supported: '
       f'{sorted(SUPPORTED_ARCHITECTURES)}'
     )
-  if hf.get('attention_bias'):
-    raise CheckpointError('attention_bias=True is not supported (Qwen3 has no attention bias)')
+  if model_type == 'qwen2':
+    attention_bias = True  # Qwen2 always has q/k/v biases (and none on o_proj)
+  elif hf.get('attention_bias'):
+    raise CheckpointError(
+      f'attention_bias=True is not supported for {model_type} (biases on q/k/v and o_proj)'
+    )
+  else:
+    attention_bias = False
+  if hf.get('mlp_bias'):
+    raise CheckpointError('mlp_bias=True is not supported')
   if hf.get('use_sliding_window'):
     raise CheckpointError('use_sliding_window=True is not supported')
   if hf.get('hidden_act', 'silu') != 'silu':
@@ -103,6 +148,10 @@ def config_from_hf(hf: Mapping) -> qwen3.Qwen3Config:
     tie_word_embeddings=bool(hf.get('tie_word_embeddings', False)),
     max_position_embeddings=hf.get('max_position_embeddings', 40960),
     eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    model_type=model_type,
+    qk_norm=model_type in ('qwen3', 'qwen3_moe'),
+    attention_bias=attention_bias,
+    rope_scaling=rope_scaling_from_hf(hf, allow_scaling=model_type == 'llama'),
     **moe,
   )
 
@@ -121,8 +170,8 @@ def _architecture_fields(cfg, dtype) -> dict:
     max_position_embeddings=cfg.max_position_embeddings,
     rms_norm_eps=cfg.rms_norm_eps,
     rope_theta=cfg.rope_theta,
-    rope_parameters={'rope_type': 'default', 'rope_theta': cfg.rope_theta},
-    attention_bias=False,
+    rope_parameters=rope_params_to_hf(cfg),
+    attention_bias=getattr(cfg, 'attention_bias', False),
     dtype=jnp.dtype(dtype).name,
   )
 
@@ -147,85 +196,10 @@ def config_to_hf(cfg: qwen3.Qwen3Config, dtype=jnp.float32) -> dict:
       mlp_only_layers=list(cfg.mlp_only_layers),
     )
   else:
-    hf.update(architectures=['Qwen3ForCausalLM'], model_type='qwen3')
+    hf.update(architectures=[ARCHITECTURE_OF[cfg.model_type]], model_type=cfg.model_type)
+  if cfg.model_type == 'qwen2':
+    del hf['attention_bias']  # implied by the family
   return hf
-
-
-# --------------------------------------------------------------------------------------------
-# Safetensors files.
-
-
-def safetensor_files(path: pathlib.Path, prefix: str = 'model') -> list[pathlib.Path]:
-  """The weight files of a checkpoint directory (single file or sharded index)."""
-  single, index = path / f'{prefix}.safetensors', path / f'{prefix}.safetensors.index.json'
-  if index.exists():
-    try:
-      weight_map = json.loads(index.read_text())['weight_map']
-    except (json.JSONDecodeError, KeyError) as e:
-      raise CheckpointError(f'{index} is not a valid safetensors index: {e}') from e
-    files = [path / name for name in dict.fromkeys(weight_map.values())]
-  elif single.exists():
-    files = [single]
-  else:
-    raise FileNotFoundError(f'no {single.name} or {index.name} in {path}')
-  for f in files:
-    if not f.exists():
-      raise CheckpointError(f'checkpoint shard {f.name} listed in {index.name} is missing')
-  return files
-
-
-def read_tensors(path: str | os.PathLike, prefix: str = 'model') -> dict[str, np.ndarray]:
-  """All tensors of a checkpoint directory as numpy arrays (name -> array)."""
-  tensors = {}
-  for f in safetensor_files(pathlib.Path(path), prefix):
-    try:
-      tensors.update(safetensors.numpy.load_file(f))
-    except (safetensors.SafetensorError, OSError, ValueError) as e:
-      raise CheckpointError(f'cannot read {f}: {e}') from e
-  return tensors
-
-
-def write_tensors(
-  tensors: Mapping[str, np.ndarray],
-  path: str | os.PathLike,
-  prefix: str = 'model',
-  max_shard_bytes: int | None = None,
-) -> None:
-  """Writes tensors as one file, or as shards plus an index when over ``max_shard_bytes``."""
-  path = pathlib.Path(path)
-  path.mkdir(parents=True, exist_ok=True)
-  tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-  total = sum(v.nbytes for v in tensors.values())
-  if max_shard_bytes is None or total <= max_shard_bytes:
-    safetensors.numpy.save_file(tensors, path / f'{prefix}.safetensors', metadata={'format': 'pt'})
-    return
-  shards, current, size = [], {}, 0
-  for name, value in tensors.items():
-    if current and size + value.nbytes > max_shard_bytes:
-      shards.append(current)
-      current, size = {}, 0
-    current[name] = value
-    size += value.nbytes
-  shards.append(current)
-  weight_map = {}
-  for i, shard in enumerate(shards):
-    fname = f'{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors'
-    safetensors.numpy.save_file(shard, path / fname, metadata={'format': 'pt'})
-    weight_map.update({name: fname for name in shard})
-  index = {'metadata': {'total_size': total}, 'weight_map': weight_map}
-  (path / f'{prefix}.safetensors.index.json').write_text(json.dumps(index, indent=2))
-
-
-def read_config(path: pathlib.Path) -> dict:
-  if not path.is_dir():
-    raise FileNotFoundError(f'checkpoint directory {path} does not exist')
-  cfg_file = path / 'config.json'
-  if not cfg_file.exists():
-    raise FileNotFoundError(f'no config.json in {path}')
-  try:
-    return json.loads(cfg_file.read_text())
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f'{cfg_file} is not valid JSON: {e}') from e
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,7 +217,17 @@ def _ident(x):
   return x
 
 
-def _layer_rules(lp: str, hp: str, attn: tuple[str, ...], n: int, k: int, h: int, d: int):
+def _layer_rules(
+  lp: str,
+  hp: str,
+  attn: tuple[str, ...],
+  n: int,
+  k: int,
+  h: int,
+  d: int,
+  qk_norm: bool = True,
+  bias: bool = False,
+):
   """Attention projections, q/k norms and the two layer norms of one decoder layer.
 
   ``lp``/``hp`` are the Flax / HF layer prefixes; ``attn`` is the Flax sub-path of the attention
@@ -255,13 +239,16 @@ def _layer_rules(lp: str, hp: str, attn: tuple[str, ...], n: int, k: int, h: int
 
   for proj, num in (('q_proj', n), ('k_proj', k), ('v_proj', k)):
     yield (lp, *attn, proj, 'kernel'), f'{hp}.self_attn.{proj}.weight', *heads_in(num)
+    if bias:
+      split = (lambda x, num=num: x.reshape(num, h), lambda x: x.reshape(-1))
+      yield (lp, *attn, proj, 'bias'), f'{hp}.self_attn.{proj}.bias', *split
   yield (
     (lp, *attn, 'o_proj', 'kernel'),
     f'{hp}.self_attn.o_proj.weight',
     lambda x: x.T.reshape(n, h, d),
     lambda x: x.reshape(n * h, d).T,
   )
-  for norm in ('q_norm', 'k_norm'):
+  for norm in ('q_norm', 'k_norm') if qk_norm else ():
     yield (lp, *attn, norm, 'scale'), f'{hp}.self_attn.{norm}.weight', _ident, _ident
   for norm in ('input_layernorm', 'post_attention_layernorm'):
     yield (lp, norm, 'scale'), f'{hp}.{norm}.weight', _ident, _ident
@@ -277,7 +264,7 @@ def _target_rules(cfg: qwen3.Qwen3Config) -> Iterator[_Rule]:
   yield ('embed_tokens', 'embedding'), 'model.embed_tokens.weight', _ident, _ident
   for i in range(cfg.num_hidden_layers):
     lp, hp = f'layers_{i}', f'model.layers.{i}'
-    yield from _layer_rules(lp, hp, ('self_attn',), *dims)
+    yield from _layer_rules(lp, hp, ('self_attn',), *dims, cfg.qk_norm, cfg.attention_bias)
     if cfg.is_sparse_layer(i):
       # The router; experts are many HF tensors per Flax leaf (see _expert_leaves).
       yield (lp, 'mlp', 'gate', 'kernel'), f'{hp}.mlp.gate.weight', _t, _t
@@ -409,10 +396,12 @@ def params_to_hf(params: dict, cfg: qwen3.Qwen3Config) -> dict[str, np.ndarray]:
 def load_target(
   path: str | os.PathLike, *, dtype=jnp.float32, attn_impl: str = 'xla', mesh=None
 ) -> qwen3.Target:
-  """Loads a Hugging Face Qwen3 / Qwen3-MoE checkpoint directory as a :class:`Target`.
+  """Loads a Hugging Face checkpoint directory or a GGUF file as a :class:`Target`.
 
   Args:
-    path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
+    path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index), or a
+      ``.gguf`` file (Llama / Qwen2 / Qwen3; converted once and cached, see
+      :mod:`jetspec_jax.models.gguf_io`).
     dtype: parameter and compute dtype (float32 for parity, bfloat16 on accelerators).
     attn_impl: ``'xla'`` or ``'pallas'``.
     mesh: a ``('data', 'model')`` mesh to place the parameters on (tensor-parallel over
@@ -426,6 +415,8 @@ def load_target(
   if attn_impl not in qwen3.ATTN_IMPLS:
     raise ValueError(f'attn_impl must be one of {qwen3.ATTN_IMPLS}, got {attn_impl!r}')
   path = pathlib.Path(path)
+  if path.suffix == '.gguf':
+    path = gguf_io.cached_checkpoint(path)
   cfg = config_from_hf(read_config(path))
   params = params_from_hf(read_tensors(path), cfg, dtype)
   if mesh is not None:
@@ -465,6 +456,7 @@ def head_config_from_hf(hf: Mapping) -> draft_head.DraftHeadConfig:
       raise CheckpointError(f'head config.json lacks {name!r}')
   if 'mask_token_id' not in dflash:
     raise CheckpointError('head config.json lacks dflash_config.mask_token_id')
+  rope_scaling_from_hf(hf, allow_scaling=False)  # heads use plain RoPE
   layers = hf['num_hidden_layers']
   taps = dflash.get('target_layer_ids') or draft_head.default_tap_layers(
     hf['num_target_layers'], layers

@@ -1,4 +1,8 @@
-"""Qwen3 dense and Qwen3-MoE target models in Flax Linen, used functionally.
+"""The target transformer in Flax Linen, used functionally: Qwen3, Qwen3-MoE and the Llama family.
+
+One module with config switches covers the families (DESIGN.md §2): Qwen3 (per-head q/k RMSNorm,
+no bias), Qwen3-MoE (sparse MLP blocks), Llama / SmolLM2 (no q/k norm, optional Llama-3 RoPE
+scaling) and Qwen2 (q/k/v bias). ``Qwen3Config.model_type`` names the family for checkpoint I/O.
 
 One forward serves three modes (DESIGN.md §5):
 
@@ -35,12 +39,36 @@ ATTN_IMPLS = ('xla', 'pallas')
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
+MODEL_TYPES = ('qwen3', 'qwen3_moe', 'llama', 'qwen2')
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3 RoPE frequency scaling (``rope_type: llama3`` in Hugging Face configs).
+
+  Wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are divided by
+  ``factor``, shorter than ``original / high_freq_factor`` kept, and the band between is
+  interpolated smoothly (Hugging Face's ``_compute_llama3_parameters``).
+  """
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+  def __post_init__(self):
+    if self.high_freq_factor <= self.low_freq_factor:
+      raise ValueError(f'{self.high_freq_factor=} must exceed {self.low_freq_factor=}')
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
-  """Architecture of a Qwen3 (dense) or Qwen3-MoE target. Hashable: a static ``jit`` argument.
+  """Architecture of a target transformer. Hashable: a static ``jit`` argument.
 
   ``num_experts == 0`` means dense. For MoE, layer ``i`` is sparse iff ``i`` is not in
   ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (Hugging Face's rule).
+  The Llama family is the same module with ``qk_norm=False`` (and ``attention_bias=True`` for
+  Qwen2's q/k/v biases); ``model_type`` only decides how the config is written back to disk.
   """
 
   vocab_size: int
@@ -62,8 +90,19 @@ class Qwen3Config:
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
   eos_token_id: int | None = None
+  # Family switches (Qwen3 defaults).
+  model_type: str = 'qwen3'
+  qk_norm: bool = True
+  attention_bias: bool = False
+  rope_scaling: RopeScaling | None = None
 
   def __post_init__(self):
+    if self.model_type not in MODEL_TYPES:
+      raise ValueError(f'model_type must be one of {MODEL_TYPES}, got {self.model_type!r}')
+    if (self.num_experts > 0) != (self.model_type == 'qwen3_moe'):
+      raise ValueError(
+        f"{self.num_experts=} needs model_type 'qwen3_moe' (and only it has experts)"
+      )
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(
         f'{self.num_attention_heads=} must be a multiple of {self.num_key_value_heads=}'
@@ -128,6 +167,27 @@ def qwen3_30b_a3b() -> Qwen3Config:
     moe_intermediate_size=768,
     norm_topk_prob=True,
     eos_token_id=151645,
+    model_type='qwen3_moe',
+  )
+
+
+def smollm2_135m() -> Qwen3Config:
+  """SmolLM2-135M(-Instruct): Llama architecture, 30 layers, 9 query / 3 KV heads, tied."""
+  return Qwen3Config(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rope_theta=100_000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    eos_token_id=2,
+    model_type='llama',
+    qk_norm=False,
   )
 
 
@@ -149,7 +209,24 @@ def tiny(**overrides) -> Qwen3Config:
 
 def tiny_moe(**overrides) -> Qwen3Config:
   """A small Qwen3-MoE config: 5 experts, top-2, one dense layer."""
-  base = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=23, mlp_only_layers=(1,))
+  base = dict(
+    num_experts=5,
+    num_experts_per_tok=2,
+    moe_intermediate_size=23,
+    mlp_only_layers=(1,),
+    model_type='qwen3_moe',
+  )
+  return tiny(**{**base, **overrides})
+
+
+def tiny_llama(**overrides) -> Qwen3Config:
+  """A small Llama-family config (no q/k norm, tied embeddings, Llama-3 RoPE scaling)."""
+  base = dict(
+    model_type='llama',
+    qk_norm=False,
+    tie_word_embeddings=True,
+    rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64),
+  )
   return tiny(**{**base, **overrides})
 
 
@@ -171,10 +248,33 @@ class RMSNorm(nn.Module):
     return scale * y.astype(x.dtype)
 
 
-def rope(x: Float[Array, 'B T N H'], positions: Int[Array, 'B T'], theta: float) -> Array:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+  """The ``head_dim / 2`` RoPE inverse frequencies (float32), with Llama-3 scaling if given."""
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  if scaling is None:
+    return inv_freq.astype(np.float32)
+  old = scaling.original_max_position_embeddings
+  low_wavelen = old / scaling.low_freq_factor
+  high_wavelen = old / scaling.high_freq_factor
+  wavelen = 2 * np.pi / inv_freq
+  scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+  smooth = (old / wavelen - scaling.low_freq_factor) / (
+    scaling.high_freq_factor - scaling.low_freq_factor
+  )
+  smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope(
+  x: Float[Array, 'B T N H'],
+  positions: Int[Array, 'B T'],
+  theta: float,
+  scaling: RopeScaling | None = None,
+) -> Array:
   """Rotary embedding, Hugging Face's half-split ("rotate_half") layout, angles in float32."""
   half = x.shape[-1] // 2
-  inv_freq = 1.0 / theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x.shape[-1])
+  inv_freq = jnp.asarray(rope_inv_freq(x.shape[-1], theta, scaling))
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
   cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
   sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
@@ -225,7 +325,7 @@ def attention_xla(
 
 
 class Attention(nn.Module):
-  """GQA attention with per-head q/k RMSNorm and RoPE; reads and writes one layer's cache."""
+  """GQA attention with RoPE (and, per family, q/k RMSNorm or q/k/v bias); one layer's cache."""
 
   cfg: Qwen3Config
   dtype: Any = jnp.float32
@@ -237,13 +337,15 @@ class Attention(nn.Module):
     dense = functools.partial(
       nn.DenseGeneral, use_bias=False, dtype=self.dtype, param_dtype=self.dtype
     )
-    q = dense((cfg.num_attention_heads, cfg.head_dim), name='q_proj')(x)
-    k = dense((cfg.num_key_value_heads, cfg.head_dim), name='k_proj')(x)
-    v = dense((cfg.num_key_value_heads, cfg.head_dim), name='v_proj')(x)
-    q = RMSNorm(cfg.rms_norm_eps, self.dtype, name='q_norm')(q)
-    k = RMSNorm(cfg.rms_norm_eps, self.dtype, name='k_norm')(k)
-    q = rope(q, positions, cfg.rope_theta)
-    k = rope(k, positions, cfg.rope_theta)
+    qkv = functools.partial(dense, use_bias=cfg.attention_bias)
+    q = qkv((cfg.num_attention_heads, cfg.head_dim), name='q_proj')(x)
+    k = qkv((cfg.num_key_value_heads, cfg.head_dim), name='k_proj')(x)
+    v = qkv((cfg.num_key_value_heads, cfg.head_dim), name='v_proj')(x)
+    if cfg.qk_norm:
+      q = RMSNorm(cfg.rms_norm_eps, self.dtype, name='q_norm')(q)
+      k = RMSNorm(cfg.rms_norm_eps, self.dtype, name='k_norm')(k)
+    q = rope(q, positions, cfg.rope_theta, cfg.rope_scaling)
+    k = rope(k, positions, cfg.rope_theta, cfg.rope_scaling)
     cache_k = kv_lib.write_slots(cache_k, slots, k)
     cache_v = kv_lib.write_slots(cache_v, slots, v)
     if self.attn_impl == 'pallas':

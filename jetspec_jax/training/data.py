@@ -17,7 +17,7 @@ import grain
 import numpy as np
 from tqdm import tqdm
 
-from jetspec_jax import decoding
+from jetspec_jax import corpus, decoding
 from jetspec_jax.models import qwen3
 
 SHARD_PATTERN = 'shard_{:05d}.npz'
@@ -59,9 +59,8 @@ def prompts_from_config(data_config, vocab_size: int) -> list[np.ndarray]:
   if data_config.prompts == 'stdlib_functions':
     from jetspec_jax import prompts as prompts_lib
     from jetspec_jax.tokenizer import Tokenizer
-    from jetspec_jax.training import lm
 
-    train_files, _ = lm.stdlib_files(tuple(data_config.validation_modules))
+    train_files, _ = corpus.stdlib_files(tuple(data_config.validation_modules))
     texts = prompts_lib.function_prompts(train_files)
     rng = np.random.default_rng(data_config.prompt_seed)
     order = rng.permutation(len(texts))[: data_config.num_prompts]
@@ -87,9 +86,12 @@ def generate_dataset(
   shard_size: int = 64,
   batch_size: int = 16,
   temperature: float = 0.0,
+  top_p: float = 1.0,
   seed: int = 0,
-  eos: int | None = None,
+  eos=None,
   progress: bool = True,
+  shard_indices: Iterable[int] | None = None,
+  feature_taps: tuple[int, ...] = (),
 ) -> list[pathlib.Path]:
   """Regenerates responses for ``prompts`` and writes token shards (skipping finished ones).
 
@@ -102,8 +104,13 @@ def generate_dataset(
     shard_size: prompts per shard.
     batch_size: prompts generated together.
     temperature: 0 for greedy regeneration.
+    top_p: nucleus filtering when sampling.
     seed: sampling seed (folded with the shard index).
-    eos: stop token (defaults to the target's).
+    eos: stop token id or ids (defaults to the target's).
+    shard_indices: generate only these shards (default: all).
+    feature_taps: also store each token's target features (taps of these layers + final
+      hidden state, float16) collected during generation, so training needs no target pass
+      (``shard_*.features.npy``, see :func:`write_shard`).
 
   Returns:
     The shard paths, in order.
@@ -114,6 +121,7 @@ def generate_dataset(
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   eos = target.cfg.eos_token_id if eos is None else eos
+  only = None if shard_indices is None else set(shard_indices)
   paths = []
   bar = tqdm(total=len(prompts), desc='generate', unit='prompt', disable=not progress)
   tokens_done, start = 0, time.perf_counter()
@@ -121,23 +129,39 @@ def generate_dataset(
     path = out_dir / SHARD_PATTERN.format(shard_idx)
     paths.append(path)
     chunk = prompts[first : first + shard_size]
-    if path.exists():  # finished by an earlier run
+    if path.exists() or (only is not None and shard_idx not in only):  # done, or not asked for
       bar.update(len(chunk))
       continue
-    sequences, masks = [], []
+    sequences, masks, features = [], [], []
     for b in range(0, len(chunk), batch_size):
       batch = chunk[b : b + batch_size]
-      outputs = decoding.generate(  # batched, jitted AR; each row stops at its own EOS
-        target,
-        None,
-        list(batch),
-        method='ar',
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed * 100_003 + shard_idx * 1_009 + b,
-        eos_id=eos,
-      )
-      responses = [o.tokens for o in outputs]
+      batch_seed = seed * 100_003 + shard_idx * 1_009 + b
+      if feature_taps:
+        results = decoding.generate_with_features(
+          target,
+          list(batch),
+          feature_taps=tuple(feature_taps),
+          max_new_tokens=max_new_tokens,
+          temperature=temperature,
+          top_p=top_p,
+          seed=batch_seed,
+          eos_id=eos,
+        )
+        responses = [r for r, _ in results]
+        features.extend(f[:max_len] for _, f in results)
+      else:
+        outputs = decoding.generate(  # batched, jitted AR; each row stops at its own EOS
+          target,
+          None,
+          list(batch),
+          method='ar',
+          max_new_tokens=max_new_tokens,
+          temperature=temperature,
+          top_p=top_p,
+          seed=batch_seed,
+          eos_id=eos,
+        )
+        responses = [o.tokens for o in outputs]
       for prompt, response in zip(batch, responses):
         seq = np.concatenate([prompt, response])[:max_len]
         mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(response), np.uint8)])
@@ -146,7 +170,7 @@ def generate_dataset(
         tokens_done += len(response)
       bar.update(len(batch))
       bar.set_postfix(tokens_per_s=f'{tokens_done / (time.perf_counter() - start):.0f}')
-    write_shard(path, sequences, masks, max_len)
+    write_shard(path, sequences, masks, max_len, features or None, feature_taps)
   bar.close()
   return paths
 
@@ -166,8 +190,20 @@ def generate_from_config(config, target: qwen3.Target, data_dir) -> list[pathlib
   )
 
 
-def write_shard(path: pathlib.Path, sequences, masks, max_len: int) -> None:
-  """Writes one shard atomically (temp file + rename)."""
+def features_path(shard: pathlib.Path) -> pathlib.Path:
+  return shard.with_name(shard.name.removesuffix('.npz') + '.features.npy')
+
+
+def write_shard(
+  path: pathlib.Path, sequences, masks, max_len: int, features=None, feature_taps=()
+) -> None:
+  """Writes one shard atomically (temp file + rename).
+
+  ``features`` (one ``[len(seq), F]`` array per sequence) go first, to
+  ``shard_*.features.npy`` as one float16 ``[sum of lengths, F]`` array (memory-mappable;
+  sequence ``i`` owns rows ``offsets[i]:offsets[i] + lengths[i]``), so a shard whose ``.npz``
+  exists is complete.
+  """
   n = len(sequences)
   tokens = np.zeros((n, max_len), np.int32)
   loss_mask = np.zeros((n, max_len), np.uint8)
@@ -175,21 +211,48 @@ def write_shard(path: pathlib.Path, sequences, masks, max_len: int) -> None:
   for i, (seq, mask) in enumerate(zip(sequences, masks)):
     tokens[i, : len(seq)] = seq
     loss_mask[i, : len(mask)] = mask
+  extra = {}
+  if features is not None:
+    for seq, feats in zip(sequences, features):
+      if len(feats) != len(seq):
+        raise ValueError(f'{len(feats)} feature rows for a sequence of {len(seq)} tokens')
+    ftmp = path.with_name(path.name + '.tmp.features.npy')
+    np.save(ftmp, np.concatenate(features).astype(np.float16))
+    os.replace(ftmp, features_path(path))
+    extra['offsets'] = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    extra['feature_taps'] = np.asarray(feature_taps, np.int32)
   tmp = path.with_name(path.name + '.tmp.npz')
-  np.savez(tmp, tokens=tokens, loss_mask=loss_mask, lengths=lengths)
+  np.savez(tmp, tokens=tokens, loss_mask=loss_mask, lengths=lengths, **extra)
   os.replace(tmp, path)
 
 
 class TokenShards:
-  """All shards of a directory as one random-access source (grain's data-source protocol)."""
+  """All shards under a directory (subdirectories included) as one random-access source.
+
+  Follows grain's data-source protocol. When every shard stores target features
+  (``shard_*.features.npy``, memory-mapped), items carry ``features [max_len, F]`` (float32,
+  zero-padded) and ``feature_taps`` names the tapped layers they were collected with.
+  """
 
   def __init__(self, data_dir: str | os.PathLike, max_len: int | None = None):
-    paths = sorted(pathlib.Path(data_dir).glob('shard_*.npz'))
+    paths = sorted(pathlib.Path(data_dir).rglob('shard_*.npz'))  # subdirectories too
     paths = [p for p in paths if not p.name.endswith('.tmp.npz')]
     if not paths:
       raise FileNotFoundError(f'no shard_*.npz files in {data_dir}')
     loaded = [np.load(p) for p in paths]
     width = max(d['tokens'].shape[1] for d in loaded) if max_len is None else max_len
+    self.width = width
+    self.feature_taps: tuple[int, ...] | None = None
+    self._features = None
+    if all('offsets' in d and features_path(p).exists() for p, d in zip(paths, loaded)):
+      taps = {tuple(int(i) for i in d['feature_taps']) for d in loaded}
+      if len(taps) != 1:
+        raise ValueError(f'shards under {data_dir} were collected with different taps: {taps}')
+      self.feature_taps = taps.pop()
+      self._features = [
+        (np.load(features_path(p), mmap_mode='r'), d['offsets']) for p, d in zip(paths, loaded)
+      ]
+      self._where = [(s, j) for s, d in enumerate(loaded) for j in range(len(d['lengths']))]
 
     def fit(x):
       x = x[:, :width]
@@ -203,7 +266,15 @@ class TokenShards:
     return len(self.tokens)
 
   def __getitem__(self, i: int) -> dict:
-    return dict(tokens=self.tokens[i], loss_mask=self.loss_mask[i], lengths=self.lengths[i])
+    item = dict(tokens=self.tokens[i], loss_mask=self.loss_mask[i], lengths=self.lengths[i])
+    if self._features is not None:
+      shard, j = self._where[i]
+      rows, offsets = self._features[shard]
+      n = int(self.lengths[i])
+      feats = np.zeros((self.width, rows.shape[1]), np.float32)
+      feats[:n] = rows[offsets[j] : offsets[j] + n]
+      item['features'] = feats
+    return item
 
   @property
   def num_tokens(self) -> int:

@@ -10,7 +10,6 @@ it stopped. Checkpoints: the same Orbax module as head training.
 import json
 import math
 import pathlib
-import sysconfig
 import time
 
 import jax
@@ -19,35 +18,13 @@ import numpy as np
 import optax
 from absl import logging
 
+from jetspec_jax import corpus
 from jetspec_jax.models import qwen3
 from jetspec_jax.training import checkpoint as ckpt
 from jetspec_jax.training import train as train_lib
 
 EOS = '<|endoftext|>'
 SPECIAL_TOKENS = (EOS, '<|mask|>')
-_SKIP_PARTS = {'test', 'tests', 'idlelib', 'site-packages', 'turtledemo', 'lib2to3', '__pycache__'}
-
-
-def stdlib_files(
-  validation_modules: tuple[str, ...],
-) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
-  """(train, validation) ``.py`` files of the standard library; validation = the named modules."""
-  root = pathlib.Path(sysconfig.get_paths()['stdlib'])
-  files = sorted(f for f in root.rglob('*.py') if not _SKIP_PARTS & set(f.relative_to(root).parts))
-  if not files:
-    raise FileNotFoundError(f'no standard-library sources under {root}')
-
-  def module(f):
-    rel = f.relative_to(root)
-    return rel.parts[0].removesuffix('.py')
-
-  val = [f for f in files if module(f) in validation_modules]
-  train = [f for f in files if module(f) not in validation_modules]
-  return train, val
-
-
-def read_texts(files) -> list[str]:
-  return [f.read_text(encoding='utf-8', errors='replace') for f in files]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, path: pathlib.Path):
@@ -129,8 +106,8 @@ def train_target(config, workdir: str) -> dict:
 
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  train_files, val_files = stdlib_files(tuple(config.validation_modules))
-  train_texts, val_texts = read_texts(train_files), read_texts(val_files)
+  train_files, val_files = corpus.stdlib_files(tuple(config.validation_modules))
+  train_texts, val_texts = corpus.read_texts(train_files), corpus.read_texts(val_files)
   tok_path = workdir / 'tokenizer.json'
   if tok_path.exists():
     from tokenizers import Tokenizer

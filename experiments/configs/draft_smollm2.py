@@ -1,0 +1,87 @@
+"""Heads for SmolLM2-135M-Instruct (the main job's model): JetSpec (causal) and DFlash-style.
+
+Data (once, shared by every head; resumable, hours on 2 CPU cores):
+  python -m experiments.generate_data --config=experiments/configs/draft_smollm2.py \
+      --workdir=runs/smollm2_data
+Heads (same data, size and steps):
+  python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:jetspec \
+      --config.data.dir=runs/smollm2_data/data --workdir=runs/smollm2_jetspec
+  python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:dflash \
+      --config.data.dir=runs/smollm2_data/data --workdir=runs/smollm2_dflash
+
+Prompts are made offline and never include an evaluation prompt: instructions the model writes
+itself from its bare user-turn prefix, coding tasks from the standard library's training split,
+and templated math word problems (evaluation uses HumanEval, `EVAL_CHAT_INSTRUCTIONS` and the
+disjoint `EVAL_MATH_TEMPLATES`; see jetspec_jax/chat_prompts.py). Responses are the target's own:
+greedy, and sampled at T=1 (no top-p, as the T=1 benchmark samples) for every 4th prompt.
+"""
+
+import ml_collections
+
+from experiments.configs import draft_tiny
+from jetspec_jax import corpus
+
+
+def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
+  config = draft_tiny.get_config()
+  config.target = ml_collections.ConfigDict(
+    dict(path='', preset='smollm2_135m_instruct', seed=0, param_scale=1.0, overrides={})
+  )
+  config.head = ml_collections.ConfigDict(
+    dict(
+      num_layers=3,
+      block_size=8,
+      causal=arg != 'dflash',
+      target_layer_ids=(1, 8, 15, 22, 27),
+      intermediate_size=0,
+      mask_token_id=0,  # '<|endoftext|>': never inside a chat turn, so free to mean MASK
+    )
+  )
+  config.data = ml_collections.ConfigDict(
+    dict(
+      dir='',
+      prompts='chat_mix',
+      num_instructions=2400,
+      instruction_tokens=96,
+      instruction_top_p=1.0,
+      num_coding=2000,
+      num_math=1200,
+      validation_modules=corpus.VALIDATION_MODULES,
+      max_prompt_len=160,
+      max_new_tokens=320,
+      max_len=480,
+      shard_size=64,
+      generate_batch=16,
+      sampled_every=4,
+      temperature=1.0,
+      top_p=1.0,
+      regenerate_missing=False,
+      feature_taps=(1, 8, 15, 22, 27),  # = head.target_layer_ids; stored with the data
+    )
+  )
+  config.train.update(
+    num_anchors=64,
+    loss='fkl',
+    temperature=1.0,
+    gamma=0.0,
+    loss_chunk=32,
+    global_batch=8,
+    steps=3000,
+    lr=1e-3,
+    warmup_steps=100,
+    log_every=25,
+    checkpoint_every=100,
+  )
+  config.eval.update(num_prompts=8, max_new_tokens=96, method='tree', budget=32, width=7)
+  if arg == 'tiny':  # a smoke test of the pipeline (tests)
+    config.data.update(
+      num_instructions=4,
+      instruction_tokens=12,
+      num_coding=2,
+      num_math=2,
+      max_new_tokens=8,
+      max_len=180,
+      shard_size=4,
+      generate_batch=4,
+    )
+  return config

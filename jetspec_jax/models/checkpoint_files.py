@@ -1,0 +1,90 @@
+"""Checkpoint files shared by every format: safetensors (single or sharded), config.json, errors."""
+
+import json
+import os
+import pathlib
+from collections.abc import Mapping
+
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+SINGLE_FILE = 'model.safetensors'
+INDEX_FILE = 'model.safetensors.index.json'
+
+
+class CheckpointError(ValueError):
+  """A checkpoint directory that cannot be read as the expected model."""
+
+
+def safetensor_files(path: pathlib.Path, prefix: str = 'model') -> list[pathlib.Path]:
+  """The weight files of a checkpoint directory (single file or sharded index)."""
+  single, index = path / f'{prefix}.safetensors', path / f'{prefix}.safetensors.index.json'
+  if index.exists():
+    try:
+      weight_map = json.loads(index.read_text())['weight_map']
+    except (json.JSONDecodeError, KeyError) as e:
+      raise CheckpointError(f'{index} is not a valid safetensors index: {e}') from e
+    files = [path / name for name in dict.fromkeys(weight_map.values())]
+  elif single.exists():
+    files = [single]
+  else:
+    raise FileNotFoundError(f'no {single.name} or {index.name} in {path}')
+  for f in files:
+    if not f.exists():
+      raise CheckpointError(f'checkpoint shard {f.name} listed in {index.name} is missing')
+  return files
+
+
+def read_tensors(path: str | os.PathLike, prefix: str = 'model') -> dict[str, np.ndarray]:
+  """All tensors of a checkpoint directory as numpy arrays (name -> array)."""
+  tensors = {}
+  for f in safetensor_files(pathlib.Path(path), prefix):
+    try:
+      tensors.update(safetensors.numpy.load_file(f))
+    except (safetensors.SafetensorError, OSError, ValueError) as e:
+      raise CheckpointError(f'cannot read {f}: {e}') from e
+  return tensors
+
+
+def write_tensors(
+  tensors: Mapping[str, np.ndarray],
+  path: str | os.PathLike,
+  prefix: str = 'model',
+  max_shard_bytes: int | None = None,
+) -> None:
+  """Writes tensors as one file, or as shards plus an index when over ``max_shard_bytes``."""
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+  total = sum(v.nbytes for v in tensors.values())
+  if max_shard_bytes is None or total <= max_shard_bytes:
+    safetensors.numpy.save_file(tensors, path / f'{prefix}.safetensors', metadata={'format': 'pt'})
+    return
+  shards, current, size = [], {}, 0
+  for name, value in tensors.items():
+    if current and size + value.nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = {}, 0
+    current[name] = value
+    size += value.nbytes
+  shards.append(current)
+  weight_map = {}
+  for i, shard in enumerate(shards):
+    fname = f'{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors'
+    safetensors.numpy.save_file(shard, path / fname, metadata={'format': 'pt'})
+    weight_map.update({name: fname for name in shard})
+  index = {'metadata': {'total_size': total}, 'weight_map': weight_map}
+  (path / f'{prefix}.safetensors.index.json').write_text(json.dumps(index, indent=2))
+
+
+def read_config(path: pathlib.Path) -> dict:
+  if not path.is_dir():
+    raise FileNotFoundError(f'checkpoint directory {path} does not exist')
+  cfg_file = path / 'config.json'
+  if not cfg_file.exists():
+    raise FileNotFoundError(f'no config.json in {path}')
+  try:
+    return json.loads(cfg_file.read_text())
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f'{cfg_file} is not valid JSON: {e}') from e

@@ -1,0 +1,185 @@
+"""GGUF import: dequantization, llama.cpp's Q/K permutation, the conversion cache, bad files.
+
+Tiny random Llama models are written with the ``gguf`` package's writer (quantized and float
+tensors) and loaded both by ``js.load_target`` and by transformers' own GGUF loader.
+"""
+
+import json
+
+import gguf
+import jax
+import numpy as np
+import pytest
+
+import jetspec_jax as js
+from jetspec_jax.models import gguf_io
+
+T = gguf.GGMLQuantizationType
+TINY_LLAMA = dict(
+  architectures=['LlamaForCausalLM'],
+  model_type='llama',
+  vocab_size=128,
+  hidden_size=64,
+  intermediate_size=96,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  rope_theta=10_000.0,
+  rms_norm_eps=1e-5,
+  max_position_embeddings=256,
+  tie_word_embeddings=False,
+  hidden_act='silu',
+)
+# One quantized type per kind of tensor, so every supported type is loaded end to end.
+TENSOR_TYPES = {
+  'model.embed_tokens.weight': T.Q8_0,
+  'lm_head.weight': T.Q4_1,
+  'model.layers.0.self_attn.q_proj.weight': T.Q4_0,
+  'model.layers.0.self_attn.k_proj.weight': T.Q8_0,
+  'model.layers.0.mlp.down_proj.weight': T.F16,
+  'model.layers.1.self_attn.q_proj.weight': T.Q4_1,
+  'model.layers.1.mlp.gate_proj.weight': T.BF16,
+}
+
+
+def random_llama_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
+  """HF-named float32 tensors of a random model of ``cfg``; norm scales near 1."""
+  rng = np.random.default_rng(seed)
+  qcfg = js.hf_io.config_from_hf(cfg)
+  shapes = jax.eval_shape(lambda: js.qwen3.init_params(qcfg, jax.random.key(0)))
+  zeros = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), shapes)
+  tensors = js.hf_io.params_to_hf(zeros, qcfg)
+  out = {}
+  for name, value in tensors.items():
+    if name.endswith('norm.weight'):
+      out[name] = (1.0 + 0.2 * rng.standard_normal(value.shape)).astype(np.float32)
+    else:
+      out[name] = (0.15 * rng.standard_normal(value.shape)).astype(np.float32)
+  return out
+
+
+@pytest.fixture(scope='module')
+def tiny_gguf(tmp_path_factory):
+  path = tmp_path_factory.mktemp('gguf') / 'tiny-llama.gguf'
+  tensors = random_llama_tensors(TINY_LLAMA)
+  gguf_io.write_gguf(path, TINY_LLAMA, tensors, tensor_types=TENSOR_TYPES)
+  return path, tensors
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+  monkeypatch.setenv('JETSPEC_JAX_CACHE', str(tmp_path / 'cache'))
+
+
+@pytest.mark.parametrize('qtype', [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1])
+def test_dequantize_matches_the_gguf_reference(qtype):
+  rng = np.random.default_rng(int(qtype))
+  values = (rng.standard_normal((6, 96)) * 3).astype(np.float32)
+  if qtype == T.F32:
+    raw = values.view(np.uint8)
+  elif qtype == T.F16:
+    raw = values.astype(np.float16).view(np.uint8)
+  else:
+    raw = gguf.quants.quantize(values, qtype)
+  want = gguf.quants.dequantize(raw, qtype).reshape(values.shape)
+  got = gguf_io.dequantize(raw, int(qtype), values.shape)
+  np.testing.assert_array_equal(got, want)
+  if qtype not in (T.F32,):
+    assert not np.array_equal(got, values)  # the format really is lossy (not a pass-through)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+  w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
+  permuted = gguf_io.permute_qk(w, 8)
+  assert not np.array_equal(permuted, w)
+  np.testing.assert_array_equal(gguf_io.unpermute_qk(permuted, 8), w)
+
+
+def test_gguf_logits_match_transformers_gguf_loading(tiny_gguf):
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  pytest.importorskip('accelerate')
+  path, _ = tiny_gguf
+  target = js.load_target(path)
+  assert target.cfg.model_type == 'llama' and not target.cfg.qk_norm
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+    str(path.parent), gguf_file=path.name, dtype=torch.float32
+  ).eval()
+  ids = js.testing.random_ids(5, (2, 19), TINY_LLAMA['vocab_size'])
+  with torch.no_grad():
+    want = model(torch.from_numpy(ids).long()).logits.numpy()
+  got = np.asarray(target.logits(ids))
+  print(f'gguf parity: max |logit diff| {np.abs(got - want).max():.3g}')
+  assert np.abs(want).max() > 1.0
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_gguf_equals_its_dequantized_weights(tiny_gguf):
+  """Float tensors come back exactly; quantized ones within their format's error."""
+  path, tensors = tiny_gguf
+  _, got = gguf_io.convert(path)
+  assert set(got) == set(tensors)
+  name = 'model.layers.1.self_attn.v_proj.weight'  # F32 (default type)
+  np.testing.assert_array_equal(got[name], tensors[name])
+  q = 'model.layers.0.self_attn.q_proj.weight'  # Q4_0 and permuted on disk
+  assert np.abs(got[q] - tensors[q]).max() < 0.15 * np.abs(tensors[q]).max()
+  assert np.corrcoef(got[q].ravel(), tensors[q].ravel())[0, 1] > 0.97
+
+
+def test_second_load_uses_the_cache_and_a_corrupt_entry_is_rebuilt(tiny_gguf, monkeypatch):
+  path, _ = tiny_gguf
+  first = np.asarray(js.load_target(path).logits(np.arange(7)[None]))
+  entry = gguf_io.cached_checkpoint(path)
+  assert json.loads((entry / gguf_io.MANIFEST).read_text())['size'] > 0
+
+  def no_conversion(_):
+    raise AssertionError('converted again although the cache entry is valid')
+
+  monkeypatch.setattr(gguf_io, 'convert', no_conversion)
+  np.testing.assert_array_equal(np.asarray(js.load_target(path).logits(np.arange(7)[None])), first)
+  weights = entry / 'model.safetensors'
+  weights.write_bytes(weights.read_bytes()[:-100])  # truncated entry
+  with pytest.raises(AssertionError, match='converted again'):
+    js.load_target(path)
+  monkeypatch.undo()
+  monkeypatch.setenv('JETSPEC_JAX_CACHE', str(entry.parents[1]))
+  np.testing.assert_array_equal(np.asarray(js.load_target(path).logits(np.arange(7)[None])), first)
+  data = bytearray(weights.read_bytes())
+  data[-5] ^= 0xFF  # same size, corrupted content
+  weights.write_bytes(bytes(data))
+  assert not gguf_io._entry_is_valid(entry)
+  np.testing.assert_array_equal(np.asarray(js.load_target(path).logits(np.arange(7)[None])), first)
+
+
+def test_missing_and_truncated_files(tiny_gguf, tmp_path):
+  path, _ = tiny_gguf
+  with pytest.raises(FileNotFoundError, match='does not exist'):
+    js.load_target(tmp_path / 'nothing.gguf')
+  cut = tmp_path / 'cut.gguf'
+  cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+  with pytest.raises(js.CheckpointError, match='cut.gguf'):
+    js.load_target(cut)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+  path = tmp_path / 'gpt2.gguf'
+  writer = gguf.GGUFWriter(str(path), 'gpt2')
+  writer.add_block_count(1)
+  writer.add_tensor('token_embd.weight', np.zeros((8, 4), np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  with pytest.raises(js.CheckpointError, match="unsupported GGUF architecture 'gpt2'"):
+    js.load_target(path)
+
+
+def test_unknown_tensor_type_is_named(tmp_path):
+  cfg = dict(TINY_LLAMA, num_hidden_layers=1)
+  tensors = random_llama_tensors(cfg, seed=1)
+  path = tmp_path / 'q5.gguf'
+  name = 'model.layers.0.mlp.up_proj.weight'
+  gguf_io.write_gguf(path, cfg, tensors, tensor_types={name: T.Q5_0})
+  with pytest.raises(js.CheckpointError, match=r'blk\.0\.ffn_up\.weight has type Q5_0'):
+    js.load_target(path)

@@ -1,0 +1,101 @@
+"""``js.load_tokenizer``: the packaged SmolLM2 GGUF's tokenizer against transformers' own reading
+of the same file, an HF directory, stop ids, and bad paths."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jetspec_jax as js
+
+TEXTS = (
+  'Hello world!',
+  'def add(a, b):\n    return a + b  # 12345 and 3.14',
+  '  leading spaces\n\n\ttabs and trailing   ',
+  'unicode: café, naïve, 日本語, emoji 🙂',
+  "It's 2024; we've seen 100's of them.",
+  '<|im_start|>user\nhi<|im_end|>\n',
+)
+MESSAGES = (
+  [{'role': 'user', 'content': 'Write a function that adds two numbers.'}],
+  [
+    {'role': 'system', 'content': 'You are terse.'},
+    {'role': 'user', 'content': 'What is 2 + 2?'},
+    {'role': 'assistant', 'content': '4.'},
+    {'role': 'user', 'content': 'And 3 + 3?'},
+  ],
+)
+
+
+@pytest.fixture(scope='module')
+def smollm2_path():
+  try:
+    return js.gguf_io.smollm2_135m_instruct_path()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+
+
+@pytest.fixture(scope='module')
+def tok(smollm2_path):
+  return js.load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope='module')
+def hf_tok(smollm2_path):
+  transformers = pytest.importorskip('transformers')
+  return transformers.AutoTokenizer.from_pretrained(
+    str(smollm2_path.parent), gguf_file=smollm2_path.name
+  )
+
+
+def test_encode_decode_match_transformers(tok, hf_tok):
+  for text in TEXTS:
+    ids = tok.encode(text)
+    assert ids == hf_tok.encode(text, add_special_tokens=False), text
+    assert tok.decode(ids) == text
+
+
+def test_special_tokens_are_single_ids(tok):
+  ids = tok.encode('<|im_start|>assistant\n')
+  assert ids[0] == tok.token_to_id('<|im_start|>') == 1
+  assert tok.eos_ids == {0, 2}  # <|endoftext|> and <|im_end|> (the GGUF's EOS)
+  assert tok.decode(tok.encode('<|im_end|>'), skip_special_tokens=True) == ''
+
+
+def test_chat_template_matches_transformers(tok, hf_tok):
+  for messages in MESSAGES:
+    for add_prompt in (True, False):
+      want = hf_tok.apply_chat_template(messages, add_generation_prompt=add_prompt, tokenize=False)
+      assert tok.render_chat(messages, add_prompt) == want
+      want_ids = hf_tok.encode(want, add_special_tokens=False)
+      assert tok.apply_chat_template(messages, add_prompt) == want_ids
+
+
+def test_hf_directory_round_trip_and_generation_config_stops(tok, tmp_path):
+  tok.save(tmp_path)
+  (tmp_path / 'generation_config.json').write_text(json.dumps({'eos_token_id': [2, 7]}))
+  again = js.load_tokenizer(tmp_path)
+  assert again.eos_ids == {0, 2, 7}
+  assert again.chat_template == tok.chat_template
+  for text in TEXTS:
+    assert again.encode(text) == tok.encode(text)
+  assert again.apply_chat_template(MESSAGES[1]) == tok.apply_chat_template(MESSAGES[1])
+
+
+def test_generate_accepts_a_collection_of_stop_ids():
+  target = js.testing.tiny_target(3)
+  prompt = js.testing.random_ids(0, (5,), target.cfg.vocab_size)
+  free = js.generate(target, None, prompt, max_new_tokens=24, method='ar', eos_id=())
+  a, b = int(free.tokens[5]), int(free.tokens[9])
+  first_stop = min(i for i, t in enumerate(free.tokens) if t in (a, b))
+  out = js.generate(target, None, prompt, max_new_tokens=24, method='ar', eos_id={a, b})
+  np.testing.assert_array_equal(out.tokens, free.tokens[: first_stop + 1])
+
+
+def test_bad_paths(tmp_path):
+  with pytest.raises(FileNotFoundError):
+    js.load_tokenizer(tmp_path / 'missing.gguf')
+  with pytest.raises(FileNotFoundError):
+    js.load_tokenizer(tmp_path / 'no_dir')
+  with pytest.raises(FileNotFoundError, match='tokenizer.json'):
+    js.load_tokenizer(tmp_path)
