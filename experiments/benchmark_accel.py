@@ -5,8 +5,15 @@
 
 At batch 1 a target step cannot beat reading every weight once: ``limit = parameter bytes /
 copy bandwidth``, with the bandwidth measured in the same run (a device-to-device copy). Every
-timing is the median of ``repeats`` synchronised calls after a warm-up, reported in ms and as a
-multiple of that limit. Writes ``accel_<preset>_<device>.json`` and ``.md``.
+timing is the median of ``repeats`` synchronised calls after a warm-up (the target's cache is
+donated and carried from call to call, as in the decode loop), reported in ms, as a multiple of
+that limit and as a multiple of one AR decode step at the same context (``x_decode``). With
+``prefill_memory_tokens`` it also records the compiled temporaries of a Qwen3-8B float32 prefill
+(``memory_analysis()`` on abstract inputs; no weights needed). Writes
+``accel_<preset>_<device>.json`` and ``.md``.
+
+CPU presets: ``smollm2_135m`` and ``qwen3_0_6b`` (float32; the XLA attention path: Pallas runs
+only in interpret mode off an accelerator, which is a correctness tool, not a timing).
 """
 
 import functools
@@ -20,12 +27,13 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jetspec_jax as js
-from experiments.timing import median_time
+from experiments.timing import median_time, median_time_carried
 from jetspec_jax import decoding, sharding, verify
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.models import qwen3
 
 PRESETS = {
+  'smollm2_135m': qwen3.smollm2_135m,
   'qwen3_8b': qwen3.qwen3_8b,
   'qwen3_30b_a3b': qwen3.qwen3_30b_a3b,
   'qwen3_0_6b': qwen3.qwen3_0_6b,
@@ -44,8 +52,29 @@ def filled_cache(target, capacity: int, length: int, key):
   """A cache of ``capacity`` slots whose first ``length`` hold random K/V."""
   cache = target.make_cache(1, capacity)
   k = jax.random.normal(key, cache.k[0].shape, cache.dtype)
+  # One buffer per layer and per K/V: the timed steps donate (update in place) the cache.
   return cache.replace(
-    k=tuple(k for _ in cache.k), v=tuple(k for _ in cache.v), lengths=jnp.array([length], jnp.int32)
+    k=tuple(jnp.array(k, copy=True) for _ in cache.k),
+    v=tuple(jnp.array(k, copy=True) for _ in cache.v),
+    lengths=jnp.array([length], jnp.int32),
+  )
+
+
+def prefill_memory(num_tokens: int, cfg=None) -> dict:
+  """Compiled temporaries of a batch-1 prefill of ``num_tokens`` (float32, abstract weights)."""
+  cfg = cfg or qwen3.qwen3_8b()
+  params = jax.eval_shape(functools.partial(qwen3.init_params, cfg), jax.random.key(0))
+  target = jax.eval_shape(lambda p: qwen3.Target(cfg=cfg, params=p), params)
+  prompts = jax.ShapeDtypeStruct((1, num_tokens), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+  capacity = decoding.bucket(num_tokens + 1)
+  fn = jax.jit(lambda t, p, n: decoding.prefill(t, p, n, capacity)[:2])  # cache + logits out
+  analysis = fn.lower(target, prompts, lengths).compile().memory_analysis()
+  return dict(
+    tokens=num_tokens,
+    capacity=capacity,
+    temp_gib=analysis.temp_size_in_bytes / 2**30,
+    output_gib=analysis.output_size_in_bytes / 2**30,
   )
 
 
@@ -69,8 +98,12 @@ def run(config, workdir: str) -> dict:
   limit_s = param_bytes / bandwidth
   rows = []
 
+  decode_s = {}
+
   def record(part, seconds, **extra):
-    rows.append(dict(part=part, ms=seconds * 1e3, x_limit=seconds / limit_s, **extra))
+    x_decode = seconds / decode_s[extra['context']] if extra.get('context') in decode_s else None
+    row = dict(part=part, ms=seconds * 1e3, x_limit=seconds / limit_s, x_decode=x_decode)
+    rows.append(dict(row, **extra))
     logging.info('%s', rows[-1])
 
   budget = config.round_budget
@@ -80,16 +113,17 @@ def run(config, workdir: str) -> dict:
     cache = filled_cache(target, capacity, context, key)
     tok = jnp.zeros((1, 1), jnp.int32)
 
-    @jax.jit
-    def decode_step(target, cache, tok):
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def decode_step(cache, target, tok):
       out = target.forward(tok, cache)
-      return jnp.argmax(target.lm_logits(out.hidden[:, -1]), -1)
+      # Same length every call: each call is the step at this context.
+      return jnp.argmax(target.lm_logits(out.hidden[:, -1]), -1), out.cache.replace(
+        lengths=cache.lengths
+      )
 
-    record(
-      'ar_decode_step',
-      median_time(decode_step, target, cache, tok, repeats=config.repeats),
-      context=context,
-    )
+    decode_s[context] = median_time_carried(decode_step, cache, target, tok, repeats=config.repeats)
+    cache = filled_cache(target, capacity, context, key)  # the donated one is gone
+    record('ar_decode_step', decode_s[context], context=context)
     for impl in config.attn_impls:
       t_impl = target.with_attn_impl(impl)
       for m in config.nodes:
@@ -97,17 +131,17 @@ def run(config, workdir: str) -> dict:
         batched = jax.tree.map(lambda x: x[None], tree)
         anc = tree.ancestor_mask()[None]
 
-        @jax.jit
-        def verify_step(t, cache, batched, anc):
-          return verify.verify_tree(t, cache, batched, anc, taps).logits
+        @functools.partial(jax.jit, donate_argnums=(0,))
+        def verify_step(cache, t, batched, anc):
+          verified = verify.verify_tree(t, cache, batched, anc, taps)
+          choices = jnp.argmax(verified.logits, -1)
+          return choices, verified.cache.replace(lengths=cache.lengths)
 
-        record(
-          'verify',
-          median_time(verify_step, t_impl, cache, batched, anc, repeats=config.repeats),
-          context=context,
-          nodes=m,
-          attn_impl=impl,
+        seconds = median_time_carried(
+          verify_step, cache, t_impl, batched, anc, repeats=config.repeats
         )
+        cache = filled_cache(target, capacity, context, key)
+        record('verify', seconds, context=context, nodes=m, attn_impl=impl)
     dcache = head.extend_context(
       head.make_cache(1, capacity),
       jnp.zeros((1, context, len(taps) * cfg.hidden_size), dtype),
@@ -179,8 +213,12 @@ def run(config, workdir: str) -> dict:
         tokens_per_round=config.forced_accept + 1,
         tokens_per_s=(config.forced_accept + 1) / seconds,
       )
+  memory = [prefill_memory(n) for n in config.get('prefill_memory_tokens', ())]
+  for m in memory:
+    logging.info('Qwen3-8B prefill %s', m)
   device = jax.devices()[0].device_kind
   result = dict(
+    prefill_memory_qwen3_8b_f32=memory,
     config=config.to_dict(),
     device=device,
     backend=jax.default_backend(),
@@ -199,18 +237,32 @@ def run(config, workdir: str) -> dict:
   return result
 
 
+def _times(x) -> str:
+  return '' if x is None else f'{x:.2f}'
+
+
 def table(result) -> str:
   head = (
     f'{result["device"]}: params {result["param_bytes"] / 1e9:.2f} GB, copy bandwidth '
     f'{result["copy_bandwidth_gbs"]:.0f} GB/s, weight-read limit '
     f'{result["weight_read_limit_ms"]:.3f} ms\n\n'
   )
-  lines = ['| part | context | nodes | attn | ms | x limit |', '|---|---|---|---|---|---|']
+  lines = [
+    '| part | context | nodes | attn | ms | x limit | x decode step |',
+    '|---|---|---|---|---|---|---|',
+  ]
   lines += [
     f'| {r["part"]} | {r.get("context", "")} | {r.get("nodes", "")} | '
-    f'{r.get("attn_impl", "")} | {r["ms"]:.3f} | {r["x_limit"]:.2f} |'
+    f'{r.get("attn_impl", "")} | {r["ms"]:.3f} | {r["x_limit"]:.2f} | {_times(r["x_decode"])} |'
     for r in result['rows']
   ]
+  memory = result.get('prefill_memory_qwen3_8b_f32') or []
+  if memory:
+    lines += ['', '| Qwen3-8B prefill (float32) | tokens | cache capacity | temporaries GiB |']
+    lines += ['|---|---|---|---|']
+    lines += [
+      f'| compiled | {m["tokens"]} | {m["capacity"]} | {m["temp_gib"]:.2f} |' for m in memory
+    ]
   return head + '\n'.join(lines) + '\n'
 
 

@@ -62,27 +62,52 @@ def bucket(n: int, minimum: int = 16) -> int:
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
+PREFILL_CHUNK = 2048
+
+
 def prefill(
-  target: qwen3.Target, prompts, prompt_lens, capacity: int, taps=(), with_hidden: bool = False
+  target: qwen3.Target,
+  prompts,
+  prompt_lens,
+  capacity: int,
+  taps=(),
+  with_hidden: bool = False,
+  chunk: int = PREFILL_CHUNK,
 ):
   """Runs the target over right-padded prompts ``int32[B, Pb]`` of true lengths ``prompt_lens``.
 
   Padding rows are written to slot ``capacity`` (dropped), so each cache row holds exactly its
   prompt (``lengths = prompt_lens``); causal by slot, and padding comes after every real row.
+  Prompts longer than ``chunk`` run ``chunk`` tokens at a time (``lax.scan``; each chunk attends
+  causally to itself and to the chunks before it), so activations stay linear in ``chunk``.
 
   Returns:
     (cache, last_logits ``[B, V]`` float32, taps ``[B, Pb, n_taps*D]`` or None); with
     ``with_hidden`` the taps are followed by the final-normed hidden states on the feature axis.
   """
   b, pb = prompts.shape
-  positions = jnp.broadcast_to(jnp.arange(pb, dtype=jnp.int32)[None], (b, pb))
-  slots = jnp.where(positions < prompt_lens[:, None], positions, capacity)
-  out = target.forward(
-    prompts, target.make_cache(b, capacity), positions=positions, slots=slots, taps=taps
-  )
-  last = jnp.take_along_axis(out.hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-  features = with_features(out) if with_hidden else out.taps
-  return out.cache, target.lm_logits(last).astype(jnp.float32), features
+  cache = target.make_cache(b, capacity)
+  size = chunk if pb > chunk and pb % chunk == 0 else pb
+  last_row = (prompt_lens - 1)[:, None, None]
+
+  def run_chunk(cache, start):
+    tokens = jax.lax.dynamic_slice_in_dim(prompts, start, size, axis=1)
+    positions = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32)[None], (b, size))
+    slots = jnp.where(positions < prompt_lens[:, None], positions, capacity)
+    mask = qwen3.TailMask(jnp.full((b,), start, jnp.int32)) if size < pb else None
+    out = target.forward(tokens, cache, positions=positions, slots=slots, mask=mask, taps=taps)
+    row = jnp.clip(last_row - start, 0, size - 1)
+    last = jnp.take_along_axis(out.hidden, row, axis=1)[:, 0]
+    features = with_features(out) if with_hidden else out.taps
+    return out.cache, (last, features)
+
+  starts = jnp.arange(0, pb, size, dtype=jnp.int32)
+  cache, (lasts, features) = jax.lax.scan(run_chunk, cache, starts)
+  owner = (prompt_lens - 1) // size  # the chunk that holds each prompt's last token
+  last = jnp.take_along_axis(lasts, owner[None, :, None], axis=0)[0]
+  if features is not None:
+    features = jnp.moveaxis(features, 0, 1).reshape(b, pb, -1)
+  return cache, target.lm_logits(last).astype(jnp.float32), features
 
 
 def with_features(out: qwen3.ForwardOutput):

@@ -249,3 +249,23 @@ def test_batched_generation_equals_each_sequence_alone(target, heads, method, kw
     np.testing.assert_array_equal(out.tokens, w)
     if method != 'ar':
       assert out.stats.tau.sum() >= len(w) - 1 and out.stats.rounds == len(out.stats.tau)
+
+
+@pytest.mark.parametrize('attn_impl', ['xla', 'pallas'])
+def test_chunked_prefill_equals_one_pass(target, attn_impl):
+  """A long prompt run 16 tokens at a time gives the one-pass cache, logits and taps."""
+  t = target.with_attn_impl(attn_impl)
+  prompts, lengths, capacity = decoding._prepare_prompts(
+    t, [js.testing.random_ids(i, (n,), t.cfg.vocab_size) for i, n in enumerate((64, 37, 5))], 8
+  )
+  assert prompts.shape[1] == 64
+  run = jax.jit(decoding.prefill, static_argnames=('capacity', 'taps', 'chunk'))
+  whole = run(t, prompts, lengths, capacity=capacity, taps=(0, 2), chunk=2048)
+  chunked = run(t, prompts, lengths, capacity=capacity, taps=(0, 2), chunk=16)
+  np.testing.assert_array_equal(np.asarray(chunked[0].lengths), [64, 37, 5])
+  close = functools.partial(np.testing.assert_allclose, atol=2e-5, rtol=1e-5)
+  close(np.asarray(chunked[1]), np.asarray(whole[1]))  # last-token logits
+  for b, n in enumerate((64, 37, 5)):  # what real tokens wrote and tapped (padding rows differ)
+    close(np.asarray(chunked[2][b, :n]), np.asarray(whole[2][b, :n]))
+    for got, want in zip(chunked[0].k + chunked[0].v, whole[0].k + whole[0].v):
+      close(np.asarray(got[b, :n]), np.asarray(want[b, :n]))

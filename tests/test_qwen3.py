@@ -205,3 +205,35 @@ def test_bad_config():
     qwen3.tiny(num_attention_heads=5, num_key_value_heads=2)
   with pytest.raises(ValueError, match='even'):
     qwen3.tiny(head_dim=13)
+
+
+@pytest.mark.parametrize(
+  'prefix_lens, num_new, kind',
+  [((0, 37), 5, 'tree'), ((200, 3), 16, 'causal'), ((511, 64), 1, 'slots')],
+)
+def test_tiled_attention_equals_dense_and_skips_dead_tiles(prefix_lens, num_new, kind):
+  """The online-softmax attention over live tiles equals the dense-mask reference, and never
+  reads a tile past the live length (NaN planted there does not reach the output)."""
+  rng = np.random.default_rng(len(prefix_lens) + num_new)
+  b, n, kh, h, capacity, tile = 2, 6, 2, 8, 1024, 64
+  q = jnp.asarray(rng.standard_normal((b, num_new, n, h)), jnp.float32)
+  k = rng.standard_normal((b, capacity, kh, h)).astype(np.float32)
+  v = rng.standard_normal((b, capacity, kh, h)).astype(np.float32)
+  plen = jnp.asarray(prefix_lens, jnp.int32)
+  if kind == 'tree':
+    tree = js.testing.random_tree(3, num_new)
+    mask = qwen3.TailMask(plen, jnp.broadcast_to(tree.ancestor_mask(), (b, num_new, num_new)))
+  elif kind == 'causal':
+    mask = qwen3.TailMask(plen)
+  else:
+    mask = qwen3.CausalSlots(plen[:, None] + jnp.arange(num_new)[None])
+  live = int(mask.live_slots(num_new))
+  dead = -(-live // tile) * tile
+  k[:, dead:], v[:, dead:] = np.nan, np.nan
+  dense = mask.block(num_new, 0, capacity)
+  want = qwen3.attention_xla(q, jnp.nan_to_num(k), jnp.nan_to_num(v), dense)
+  got = qwen3.attention_live(q, jnp.asarray(k), jnp.asarray(v), mask, tile=tile)
+  assert np.isfinite(np.asarray(got)).all()
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+  full = qwen3.attention_live(q, jnp.asarray(k), jnp.asarray(v), qwen3.DenseMask(dense), tile=tile)
+  assert not np.isfinite(np.asarray(full)).all()  # the planted NaN is reachable by a full scan

@@ -3,7 +3,11 @@
 Run on an accelerator (random bf16 weights; nothing to download):
   python -m experiments.benchmark_accel --config=experiments/configs/accel.py:qwen3_8b \
       --workdir=benchmarks
-Other args: ``qwen3_30b_a3b``, ``qwen3_0_6b``; ``tiny`` is the CPU smoke run CI executes.
+Other args: ``qwen3_30b_a3b``; ``tiny`` is the CPU smoke run CI executes. On a CPU (float32,
+XLA attention; each part also as a multiple of one decode step, plus the Qwen3-8B prefill memory):
+  python -m experiments.benchmark_accel --config=experiments/configs/accel.py:smollm2_135m \
+      --workdir=benchmarks
+  (and ``:qwen3_0_6b``).
 Result: no accelerator run recorded yet (see the issue's closing note).
 """
 
@@ -27,9 +31,25 @@ def get_config(arg: str | None = 'tiny') -> ml_collections.ConfigDict:
   config.repeats = 10
   config.copy_bytes = 1 << 30
   config.seed = 0
+  config.prefill_memory_tokens = ()
   if config.preset == 'qwen3_30b_a3b':
     config.taps = (1, 12, 23, 34, 45)
     config.head_layers = 8
+  if config.preset in ('smollm2_135m', 'qwen3_0_6b'):  # CPU runs
+    config.dtype = 'float32'
+    config.attn_impls = ('xla',)
+    config.contexts = (512, 2048)
+    config.nodes = (16, 32, 64, 128)
+    config.round_budget = 32
+    config.forced_accept = 3
+    config.rounds = 4
+    config.repeats = 5
+    config.copy_bytes = 1 << 28
+    config.prefill_memory_tokens = (4096, 16384)
+    if config.preset == 'smollm2_135m':
+      config.head_layers, config.block_size, config.taps = 3, 8, (1, 8, 15, 22, 27)
+    else:
+      config.head_layers, config.block_size, config.taps = 2, 8, (1, 7, 14, 21, 25)
   if config.preset == 'tiny':
     config.dtype = 'float32'
     config.head_layers = 1

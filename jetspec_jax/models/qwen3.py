@@ -11,9 +11,11 @@ One forward serves three modes (DESIGN.md §5):
 * **masked**: new tokens at explicit positions and slots, with an explicit boolean mask over the
   cache slots (committed prefix + the new tokens themselves). The tree verifier uses it.
 
-The new tokens' K/V are first written into the cache at ``slots`` and attention then runs over the
-whole cache capacity ``S`` with a ``[B, T, S]`` mask. Without an explicit mask, query ``t`` sees
-every slot ``<= slots[t]`` (causal; correct because committed slots are contiguous positions).
+The new tokens' K/V are first written into the cache at ``slots``; attention then reads only the
+used part of the cache (the smallest power-of-two bucket covering every slot a query may see,
+picked on device; :func:`attention_live`), a query block at a time for long prompts. Without an
+explicit mask, query ``t`` sees every slot ``<= slots[t]`` (causal; correct because committed
+slots are contiguous positions).
 
 The forward optionally returns the residual stream after each layer in ``taps`` (the "target
 features" the draft head reads, spec §B.2), concatenated on the feature axis. A tap is the raw
@@ -295,15 +297,101 @@ class TailMask(NamedTuple):
   ancestors: Bool[Array, 'B T T'] | None = None
 
   def to_dense(self, num_new: int, capacity: int) -> Bool[Array, 'B T S']:
-    slots = jnp.arange(capacity)[None, None, :]
+    return self.block(num_new, 0, capacity)
+
+  def block(self, num_new: int, col_start, cols: int) -> Bool[Array, 'B T C']:
+    """Columns ``col_start .. col_start+cols`` (cache slots) of the dense ``[B, T, S]`` mask."""
+    slots = col_start + jnp.arange(cols)[None, None, :]
     rel = slots - self.prefix_len[:, None, None]
     prefix = slots < self.prefix_len[:, None, None]
     if self.ancestors is None:
       tail = (rel >= 0) & (rel <= jnp.arange(num_new)[None, :, None])
     else:
-      idx = jnp.broadcast_to(jnp.clip(rel, 0, num_new - 1), self.ancestors.shape[:2] + (capacity,))
+      idx = jnp.broadcast_to(jnp.clip(rel, 0, num_new - 1), self.ancestors.shape[:2] + (cols,))
       tail = (rel >= 0) & (rel < num_new) & jnp.take_along_axis(self.ancestors, idx, axis=2)
     return prefix | tail
+
+  def live_slots(self, num_new: int) -> Int[Array, '']:
+    return jnp.max(self.prefix_len) + num_new
+
+
+class CausalSlots(NamedTuple):
+  """Plain causal attention by slot: new token ``t`` sees every cache slot ``<= slots[b, t]``."""
+
+  slots: Int[Array, 'B T']
+
+  def block(self, num_new: int, col_start, cols: int) -> Bool[Array, 'B T C']:
+    del num_new
+    return col_start + jnp.arange(cols)[None, None, :] <= self.slots[:, :, None]
+
+  def live_slots(self, num_new: int) -> Int[Array, '']:
+    del num_new
+    return jnp.max(self.slots) + 1  # padding rows (slot >= capacity) see every live slot
+
+
+class DenseMask(NamedTuple):
+  """An explicit ``[B, T, S]`` mask over the whole capacity."""
+
+  mask: Bool[Array, 'B T S']
+
+  def block(self, num_new: int, col_start, cols: int) -> Bool[Array, 'B T C']:
+    del num_new
+    return jax.lax.dynamic_slice_in_dim(self.mask, col_start, cols, axis=2)
+
+  def live_slots(self, num_new: int) -> Int[Array, '']:
+    del num_new
+    return jnp.int32(self.mask.shape[-1])
+
+
+def attention_live(
+  q: Float[Array, 'B T N H'],
+  k: Float[Array, 'B S K H'],
+  v: Float[Array, 'B S K H'],
+  mask: 'TailMask | CausalSlots | DenseMask',
+  *,
+  tile: int = 256,
+) -> Array:
+  """Attention over the used part of the cache only, with memory linear in ``T``.
+
+  A flash-style online softmax (float32) over key tiles of ``tile`` slots, visiting only the
+  ``ceil(live / tile)`` tiles that hold a slot some query may see (``mask.live_slots``): a decode
+  step with 512 live slots in a 4096-slot cache reads 512 slots, with static shapes (no
+  recompilation as the length grows), and scores are ``[B, N, T, tile]``, never ``[B, N, T, S]``
+  (a long prefill stays linear in its length). Equals :func:`attention_xla` on the dense mask.
+  """
+  b, t, n, h = q.shape
+  capacity, kh = k.shape[1], k.shape[2]
+  tile = min(tile, capacity)
+  if t >= capacity or capacity % tile:
+    # Every slot is a query's own (a training forward, a full-cache prefill): nothing to skip,
+    # and the dense path is differentiable (a loop with a data-dependent trip count is not).
+    return attention_xla(q, k, v, mask.block(t, 0, capacity))
+  q = q.reshape(b, t, kh, n // kh, h)
+  live = jnp.minimum(mask.live_slots(t), capacity)
+  num_tiles = (live + tile - 1) // tile
+  f32 = jnp.float32
+
+  def body(i, carry):
+    m, denom, acc, k, v = carry  # the cache rides in the carry: no copy into the loop
+    start = i * tile
+    kt = jax.lax.dynamic_slice_in_dim(k, start, tile, axis=1)
+    vt = jax.lax.dynamic_slice_in_dim(v, start, tile, axis=1)
+    s = jnp.einsum('BTKGH,BSKH->BKGTS', q, kt, preferred_element_type=f32) * (h**-0.5)
+    s = jnp.where(mask.block(t, start, tile)[:, None, None], s, _MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    scale = jnp.exp(m - m_new)
+    denom = denom * scale + p.sum(axis=-1)
+    acc = acc * scale[..., None] + jnp.einsum(
+      'BKGTS,BSKH->BKGTH', p.astype(vt.dtype), vt, preferred_element_type=f32
+    )
+    return m_new, denom, acc, k, v
+
+  shape = (b, kh, n // kh, t)
+  init = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, h), f32), k, v)
+  _, denom, acc, _, _ = jax.lax.fori_loop(0, num_tiles, body, init)
+  out = (acc / denom[..., None]).astype(v.dtype)  # [B, K, G, T, H]
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
 
 
 def attention_xla(
@@ -361,7 +449,7 @@ class Attention(nn.Module):
         interpret=jax.default_backend() == 'cpu',
       )
     else:
-      out = attention_xla(q, cache_k, cache_v, mask)
+      out = attention_live(q, cache_k, cache_v, mask)
     out = dense(cfg.hidden_size, axis=(-2, -1), name='o_proj')(out)
     return out, cache_k, cache_v
 
@@ -549,14 +637,9 @@ def init_params(cfg: Qwen3Config, key, dtype=jnp.float32) -> dict:
   model = Qwen3(cfg, dtype)
   tokens = jnp.zeros((1, 1), jnp.int32)
   cache = make_cache(cfg, 1, 1, dtype)
-  mask = jnp.ones((1, 1, 1), bool)
+  mask = DenseMask(jnp.ones((1, 1, 1), bool))
   variables = model.init(key, tokens, tokens, tokens, mask, cache.k, cache.v, method=Qwen3.init_all)
   return variables['params']
-
-
-def causal_mask(slots: Int[Array, 'B T'], capacity: int) -> Bool[Array, 'B T S']:
-  """Query ``t`` sees every cache slot ``<= slots[t]``."""
-  return jnp.arange(capacity)[None, None, :] <= slots[:, :, None]
 
 
 def forward(
@@ -606,11 +689,11 @@ def forward(
     elif not isinstance(mask, TailMask):
       raise ValueError("attn_impl='pallas' needs a TailMask (or None for causal), not a dense mask")
   elif mask is None:
-    mask = causal_mask(slots, cache.capacity)
-  elif isinstance(mask, TailMask):
-    mask = mask.to_dense(t, cache.capacity)
-  if not isinstance(mask, TailMask) and mask.shape != (b, t, cache.capacity):
-    raise ValueError(f'mask must have shape [B, T, S]={(b, t, cache.capacity)}, got {mask.shape}')
+    mask = CausalSlots(slots)
+  elif not isinstance(mask, TailMask):
+    if mask.shape != (b, t, cache.capacity):
+      raise ValueError(f'mask must have shape [B, T, S]={(b, t, cache.capacity)}, got {mask.shape}')
+    mask = DenseMask(mask)
   model = Qwen3(cfg, cache.dtype, attn_impl)
   hidden, new_k, new_v, features = model.apply(
     {'params': params}, tokens, positions, slots, mask, cache.k, cache.v, taps
