@@ -161,22 +161,20 @@ def run(config, workdir: str) -> dict:
     )
     draft_logits = draft_step(head, dcache, pending)
 
-    @jax.jit
-    def tree_accept_commit(draft_logits, cache):
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def tree_accept_commit(cache, draft_logits):
       ids, lps = js.tree.topk_per_depth(draft_logits, config.width)
       tree = jax.vmap(lambda i, lp: js.tree.accum_logp(i, lp, budget))(ids, lps)
       anc = jax.vmap(lambda p: js.tree.ancestor_mask(p, head_cfg.max_depth))(tree.parents)
       accepted = verify.accept(
         tree, anc, decoding.forced_choices(tree, config.forced_accept), head_cfg.max_depth
       )
-      return verify.commit(cache, cache.lengths, accepted)
+      committed = verify.commit(cache, cache.lengths, accepted)
+      return committed.lengths, committed.replace(lengths=cache.lengths)
 
-    record(
-      'tree_accept_commit',
-      median_time(tree_accept_commit, draft_logits, cache, repeats=config.repeats),
-      context=context,
-      nodes=budget,
-    )
+    seconds = median_time_carried(tree_accept_commit, cache, draft_logits, repeats=config.repeats)
+    cache = filled_cache(target, capacity, context, key)
+    record('tree_accept_commit', seconds, context=context, nodes=budget)
     for impl in config.attn_impls:
       t_impl = target.with_attn_impl(impl)
       h_impl = head.replace(target=t_impl)

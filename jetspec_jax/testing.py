@@ -1,5 +1,7 @@
 """Tiny fixtures shared by tests, notebooks and users (STYLE.md item 16)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,3 +56,15 @@ def random_tree(
     ),
     num_nodes=jnp.int32(num_nodes),
   )
+
+
+# Ops by which a compiled program talks to the host: Python callbacks (jax.debug.callback,
+# pure_callback, io_callback) and XLA's infeed/outfeed/send/recv.
+_HOST_OP = re.compile(
+  r'custom_call_target="[^"]*callback[^"]*"|\b(infeed|outfeed|send|recv|send-done|recv-done)\('
+)
+
+
+def host_transfer_ops(compiled) -> list[str]:
+  """The host-interaction ops in a compiled program (``jax.jit(f).lower(...).compile()``)."""
+  return [m.group(0) for m in _HOST_OP.finditer(compiled.as_text())]

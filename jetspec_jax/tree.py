@@ -128,6 +128,9 @@ def build_with_caps(
     )
   max_depth, width = topk_ids.shape
   topk_ids, caps = jnp.asarray(topk_ids, jnp.int32), jnp.asarray(caps, jnp.int32)
+  # Materialise the candidates once: without the barrier XLA may fuse their producer (the
+  # full-vocabulary log-softmax + top-k) into every unrolled step that reads them.
+  topk_ids, topk_logprobs, caps = jax.lax.optimization_barrier((topk_ids, topk_logprobs, caps))
   idx = jnp.arange(budget)
   tree = Tree(
     tokens=jnp.zeros((budget,), jnp.int32).at[0].set(jnp.asarray(anchor, jnp.int32)),
