@@ -42,7 +42,11 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes. ``block_tail`` must be a multiple of 32 (one ancestor word per 32 keys)."""
+  """Tile sizes. ``block_tail`` must be a multiple of 32 (one ancestor word per 32 keys).
+
+  ``block_q`` is in tree nodes (a row block holds ``block_q * G`` query rows); see
+  :func:`choose_block_sizes` for the defaults, which depend on ``T``, ``G`` and the head dim.
+  """
 
   block_q: int = 16
   block_k: int = 64
@@ -59,6 +63,23 @@ class BlockSizes:
 
 def _pow2_at_least(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
+
+
+MIN_ROWS = 16  # the smallest matmul tile Triton takes
+
+
+def choose_block_sizes(num_new: int, groups: int, head_dim: int) -> BlockSizes:
+  """Tiles from the shapes: no row block of pure padding, K/V tiles sized by the head dim.
+
+  A row block holds ``block_q`` nodes x ``groups`` heads; ``block_q`` is the smallest power of
+  two giving ``MIN_ROWS`` rows, grown with ``T`` up to 64 rows (so a 1-token decode runs one row
+  block, not two, and long verifies use fuller tiles). K/V tiles hold ``128`` slots for head
+  dims up to 64 and ``64`` above (the same bytes per tile).
+  """
+  least = _pow2_at_least(max(1, -(-MIN_ROWS // groups)))
+  most = max(least, 64 // groups)
+  block_q = min(max(least, _pow2_at_least(num_new)), _pow2_at_least(most))
+  return BlockSizes(block_q=block_q, block_k=128 if head_dim <= 64 else 64, block_tail=32)
 
 
 def pack_ancestors(anc: jax.Array, padded: int) -> jax.Array:
@@ -170,7 +191,7 @@ def tree_attention(
     prefix_len: ``int32[B]`` committed prefix length per sequence.
     ancestors: ``bool[B, T, T]`` ancestor-or-self relation (tree mode), or None for causal.
     scale: softmax scale, default ``H ** -0.5``.
-    block_sizes: tile sizes (shrunk automatically for small ``T``).
+    block_sizes: tile sizes; default :func:`choose_block_sizes` (from ``T``, ``G``, ``H``).
     interpret: run in the Pallas interpreter (CPU).
     debug: print the kernel's jaxpr.
 
@@ -191,10 +212,12 @@ def tree_attention(
     raise ValueError(f'prefix_len must be int32[{b}], got {prefix_len.shape}')
   if ancestors is not None and ancestors.shape != (b, t, t):
     raise ValueError(f'ancestors must be bool[B, T, T]={(b, t, t)}, got {ancestors.shape}')
-  bs = block_sizes or BlockSizes()
   groups = n // kh
-  padded = max(_pow2_at_least(t), 32)
-  block_q = min(bs.block_q, padded)
+  bs = block_sizes or choose_block_sizes(t, groups, h)
+  block_q = bs.block_q
+  num_row_blocks = -(-t // block_q)  # only blocks that hold a real node
+  row_pad = num_row_blocks * block_q
+  padded = max(_pow2_at_least(max(t, row_pad)), 32)  # tail keys, ancestor words
   block_tail = min(bs.block_tail, padded)
   # The largest power of two <= block_k dividing the capacity (capacities are powers of two in
   # generate; odd ones still work, with small tiles).
@@ -202,12 +225,13 @@ def tree_attention(
   scale = h**-0.5 if scale is None else scale
 
   pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
-  # Rows node-major within a kv head: [B, K, padded * G, H].
-  q_rows = jnp.pad(q, pad).reshape(b, padded, kh, groups, h).transpose(0, 2, 1, 3, 4)
-  q_rows = q_rows.reshape(b, kh, padded * groups, h)
+  # Rows node-major within a kv head: [B, K, row_pad * G, H].
+  q_pad = ((0, 0), (0, row_pad - t), (0, 0), (0, 0))
+  q_rows = jnp.pad(q, q_pad).reshape(b, row_pad, kh, groups, h).transpose(0, 2, 1, 3, 4)
+  q_rows = q_rows.reshape(b, kh, row_pad * groups, h)
   k_tail, v_tail = jnp.pad(k_tail, pad), jnp.pad(v_tail, pad)
   rows = block_q * groups
-  grid = (b, kh, padded // block_q)
+  grid = (b, kh, num_row_blocks)
   in_specs = [
     pl.BlockSpec((None,), lambda i, j, r: (i,)),
     pl.BlockSpec((None, None, rows, h), lambda i, j, r: (i, j, r, 0)),
@@ -243,8 +267,8 @@ def tree_attention(
     debug=debug,
     name='tree_attention',
   )(*args)
-  out = out.reshape(b, kh, padded, groups, h).transpose(0, 2, 1, 3, 4)
-  return out.reshape(b, padded, n, h)[:, :t]
+  out = out.reshape(b, kh, row_pad, groups, h).transpose(0, 2, 1, 3, 4)
+  return out.reshape(b, row_pad, n, h)[:, :t]
 
 
 def tree_attention_reference(

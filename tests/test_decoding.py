@@ -293,3 +293,13 @@ def test_chunked_prefill_equals_one_pass(target, attn_impl):
     close(np.asarray(chunked[2][b, :n]), np.asarray(whole[2][b, :n]))
     for got, want in zip(chunked[0].k + chunked[0].v, whole[0].k + whole[0].v):
       close(np.asarray(got[b, :n]), np.asarray(want[b, :n]))
+
+
+def test_lossless_with_a_large_cache_and_tiled_attention(target, heads, prompts, ar_outputs):
+  """At a 512-slot capacity the target and the head read only their live key tiles (256-slot
+  tiles): outputs are unchanged."""
+  for prompt, want in zip(prompts[:2], ar_outputs[:2]):
+    out = js.generate(
+      target, heads['causal'], prompt, max_new_tokens=30, budget=16, width=3, min_capacity=512
+    )
+    np.testing.assert_array_equal(out.tokens, want)

@@ -211,3 +211,29 @@ def test_qwen3_8b_head_has_the_released_parameter_count():
   )
   shapes = jax.eval_shape(lambda: dh.init_head_params(cfg, jax.random.key(0), jnp.bfloat16))
   assert js.qwen3.count_params(shapes) == 1_048_626_432
+
+
+def test_live_context_attention_equals_dense_and_skips_dead_tiles():
+  """Inference reads only the context tiles up to the anchor (NaN planted after them never
+  reaches the output) and equals the dense form training uses."""
+  rng = np.random.default_rng(0)
+  b, t, n, kh, h, capacity, tile = 2, 5, 4, 2, 8, 1024, 128
+  q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+  ctx_k = rng.standard_normal((b, capacity, kh, h)).astype(np.float32)
+  ctx_v = rng.standard_normal((b, capacity, kh, h)).astype(np.float32)
+  blk_k = jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32)
+  blk_v = jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32)
+  anchor = jnp.array([300, 17], jnp.int32)
+  ctx_mask = jnp.broadcast_to(
+    jnp.arange(capacity)[None, None] < anchor[:, None, None], (b, t, capacity)
+  )
+  blk_mask = jnp.tril(jnp.ones((t, t), bool))
+  dead = -(-300 // tile) * tile
+  ctx_k[:, dead:], ctx_v[:, dead:] = np.nan, np.nan
+  args = (q, jnp.asarray(ctx_k), jnp.asarray(ctx_v), blk_k, blk_v, ctx_mask, blk_mask)
+  clean = (q, jnp.nan_to_num(ctx_k), jnp.nan_to_num(ctx_v), blk_k, blk_v, ctx_mask, blk_mask)
+  want = dh.context_block_attention(*clean)
+  got = dh.context_block_attention(*args, live_context=True, tile=tile)
+  assert np.isfinite(np.asarray(got)).all()
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+  assert not np.isfinite(np.asarray(dh.context_block_attention(*args))).all()

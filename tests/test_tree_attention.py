@@ -172,3 +172,23 @@ def test_generate_with_pallas_equals_xla(tmp_path):
     pallas.forward(
       jnp.zeros((1, 2), jnp.int32), pallas.make_cache(1, 8), mask=jnp.ones((1, 2, 8), bool)
     )
+
+
+@pytest.mark.parametrize(
+  'num_new, groups, head_dim, want_blocks',
+  [(1, 4, 64, 1), (1, 1, 128, 1), (7, 2, 64, 1), (130, 4, 128, 9)],
+)
+def test_no_row_block_is_pure_padding(num_new, groups, head_dim, want_blocks):
+  """The grid runs only row blocks that hold a real node (a decode is one block, not two)."""
+  bs = ta.choose_block_sizes(num_new, groups, head_dim)
+  assert bs.block_q * groups >= ta.MIN_ROWS and bs.block_k == (128 if head_dim <= 64 else 64)
+  q = jnp.zeros((1, num_new, 2 * groups, head_dim))
+  kt = jnp.zeros((1, num_new, 2, head_dim))
+  kc = jnp.zeros((1, 256, 2, head_dim))
+  jaxpr = str(
+    jax.make_jaxpr(lambda *a: ta.tree_attention(*a, interpret=True))(
+      q, kt, kt, kc, kc, jnp.array([5], jnp.int32)
+    )
+  )
+  assert f'grid=(1, 2, {want_blocks})' in jaxpr
+  assert -(-num_new // bs.block_q) == want_blocks

@@ -158,6 +158,7 @@ class DraftLayer(nn.Module):
 
   cfg: DraftHeadConfig
   dtype: Any = jnp.float32
+  live_context: bool = False  # read only the live context tiles (inference)
 
   def setup(self):
     cfg = self.cfg
@@ -196,38 +197,76 @@ class DraftLayer(nn.Module):
     h = self.input_layernorm(x)
     q = qwen3.rope(self.q_norm(self.q_proj(h)), positions, self.cfg.rope_theta)
     k, v = self.keys_values(h, positions)
-    out = context_block_attention(q, ctx_k, ctx_v, k, v, ctx_mask, blk_mask)
+    out = context_block_attention(
+      q, ctx_k, ctx_v, k, v, ctx_mask, blk_mask, live_context=self.live_context
+    )
     x = x + self.o_proj(out)
     return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def context_block_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_mask, blk_mask):
+def context_block_attention(
+  q, ctx_k, ctx_v, blk_k, blk_v, ctx_mask, blk_mask, *, live_context: bool = False, tile: int = 256
+):
   """One softmax over ``[context keys | block keys]`` (float32), GQA.
 
   ``q [B, T, N, H]``, ``ctx_k/v [C, S, K, H]`` with ``C in (1, B)``, ``blk_k/v [B, T, K, H]``,
   ``ctx_mask [B, T, S]``, ``blk_mask [T, T]``. A shared context (``C == 1``) is never repeated
-  per block, so training with many blocks over one long context stays linear in both.
+  per block, so training with many blocks over one long context stays linear in both. With
+  ``live_context`` (inference: a context cache at a static capacity) only the context tiles up
+  to the last visible slot are read (an online softmax over ``tile``-slot tiles, as the target's
+  attention); training keeps the dense, differentiable form.
   """
   b, t, n, hd = q.shape
   kh = blk_k.shape[2]
   q = q.reshape(b, t, kh, n // kh, hd)
   scale = hd**-0.5
   f32 = jnp.float32
-  if ctx_k.shape[0] == 1:
-    s_ctx = jnp.einsum('BTKGH,SKH->BKGTS', q, ctx_k[0], preferred_element_type=f32)
-  else:
-    s_ctx = jnp.einsum('BTKGH,BSKH->BKGTS', q, ctx_k, preferred_element_type=f32)
+  shared = ctx_k.shape[0] == 1
+  ctx_scores = 'BTKGH,SKH->BKGTS' if shared else 'BTKGH,BSKH->BKGTS'
+  ctx_values = 'BKGTS,SKH->BTKGH' if shared else 'BKGTS,BSKH->BTKGH'
+  pick = (lambda x: x[0]) if shared else (lambda x: x)
   s_blk = jnp.einsum('BTKGH,BPKH->BKGTP', q, blk_k, preferred_element_type=f32)
-  s_ctx = jnp.where(ctx_mask[:, None, None], s_ctx * scale, qwen3._MASK_VALUE)
   s_blk = jnp.where(blk_mask[None, None, None], s_blk * scale, qwen3._MASK_VALUE)
-  probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
-  p_ctx, p_blk = probs[..., : s_ctx.shape[-1]], probs[..., s_ctx.shape[-1] :]
-  if ctx_v.shape[0] == 1:
-    out = jnp.einsum('BKGTS,SKH->BTKGH', p_ctx.astype(ctx_v.dtype), ctx_v[0])
-  else:
-    out = jnp.einsum('BKGTS,BSKH->BTKGH', p_ctx.astype(ctx_v.dtype), ctx_v)
-  out = out + jnp.einsum('BKGTP,BPKH->BTKGH', p_blk.astype(blk_v.dtype), blk_v)
-  return out.reshape(b, t, n, hd)
+  capacity = ctx_k.shape[1]
+  if not live_context or capacity <= tile or capacity % tile:
+    s_ctx = jnp.einsum(ctx_scores, q, pick(ctx_k), preferred_element_type=f32)
+    s_ctx = jnp.where(ctx_mask[:, None, None], s_ctx * scale, qwen3._MASK_VALUE)
+    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
+    p_ctx, p_blk = probs[..., : s_ctx.shape[-1]], probs[..., s_ctx.shape[-1] :]
+    out = jnp.einsum(ctx_values, p_ctx.astype(ctx_v.dtype), pick(ctx_v))
+    out = out + jnp.einsum('BKGTP,BPKH->BTKGH', p_blk.astype(blk_v.dtype), blk_v)
+    return out.reshape(b, t, n, hd)
+
+  # Online softmax: the block's keys first (always visible), then the live context tiles.
+  m = s_blk.max(axis=-1)
+  p = jnp.exp(s_blk - m[..., None])
+  denom = p.sum(axis=-1)
+  acc = jnp.einsum('BKGTP,BPKH->BKGTH', p.astype(blk_v.dtype), blk_v, preferred_element_type=f32)
+  visible = jnp.any(ctx_mask, axis=(0, 1))
+  live = jnp.max(jnp.where(visible, jnp.arange(capacity) + 1, 0))
+
+  def body(i, carry):
+    m, denom, acc, ctx_k, ctx_v = carry  # the cache rides in the carry: no copy into the loop
+    start = i * tile
+    kt = jax.lax.dynamic_slice_in_dim(ctx_k, start, tile, axis=1)
+    vt = jax.lax.dynamic_slice_in_dim(ctx_v, start, tile, axis=1)
+    mask = jax.lax.dynamic_slice_in_dim(ctx_mask, start, tile, axis=2)
+    s = jnp.einsum(ctx_scores, q, pick(kt), preferred_element_type=f32)
+    s = jnp.where(mask[:, None, None], s * scale, qwen3._MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    alpha = jnp.exp(m - m_new)
+    denom = denom * alpha + p.sum(axis=-1)
+    values = ctx_values.replace('->BTKGH', '->BKGTH')
+    acc = acc * alpha[..., None] + jnp.einsum(
+      values, p.astype(vt.dtype), pick(vt), preferred_element_type=f32
+    )
+    return m_new, denom, acc, ctx_k, ctx_v
+
+  num_tiles = (live + tile - 1) // tile
+  _, denom, acc, _, _ = jax.lax.fori_loop(0, num_tiles, body, (m, denom, acc, ctx_k, ctx_v))
+  out = (acc / denom[..., None]).astype(blk_v.dtype)  # [B, K, G, T, H]
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, hd)
 
 
 class DraftHeadModule(nn.Module):
@@ -235,12 +274,15 @@ class DraftHeadModule(nn.Module):
 
   cfg: DraftHeadConfig
   dtype: Any = jnp.float32
+  live_context: bool = False
 
   def setup(self):
     cfg = self.cfg
     self.fc = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
     self.hidden_norm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
-    self.layers = [DraftLayer(cfg, self.dtype) for _ in range(cfg.num_hidden_layers)]
+    self.layers = [
+      DraftLayer(cfg, self.dtype, self.live_context) for _ in range(cfg.num_hidden_layers)
+    ]
     self.norm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
 
   def context_kv(self, features, positions):
@@ -374,7 +416,7 @@ class DraftHead:
     anchor_pos = cache.lengths
     positions = anchor_pos[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
     ctx_mask, blk_mask = block_mask(cfg, anchor_pos, cache.capacity)
-    module = DraftHeadModule(cfg, self.dtype)
+    module = DraftHeadModule(cfg, self.dtype, live_context=True)
     hidden = module.apply(
       {'params': self.params}, x, positions, cache.k, cache.v, ctx_mask, blk_mask
     )
