@@ -8,9 +8,10 @@ XLA attention; each part also as a multiple of one decode step, plus the Qwen3-8
   python -m experiments.benchmark_accel --config=experiments/configs/accel.py:smollm2_135m \
       --workdir=benchmarks
   (and ``:qwen3_0_6b``).
-Result: no accelerator run recorded yet. CPU (2 cores, float32), benchmarks/accel_smollm2_135m_cpu.md:
-decode 36.8 ms at context 512; verify 16/64 nodes 2.33x/5.20x a decode step; full round at
-budget 32 2.96x; Qwen3-8B prefill temporaries 1.42 GiB at 4k and 16k tokens.
+Result: no accelerator run recorded yet. CPU (2 cores, float32;
+benchmarks/accel_smollm2_135m_cpu.md): decode 36.8 ms at context 512; verify 16/64 nodes
+2.33x/5.20x a decode step; full round at budget 32 2.96x; Qwen3-8B prefill temporaries
+1.42 GiB at 4k and 16k tokens.
 """
 
 import ml_collections
