@@ -253,15 +253,9 @@ def context_block_attention(
     mask = jax.lax.dynamic_slice_in_dim(ctx_mask, start, tile, axis=2)
     s = jnp.einsum(ctx_scores, q, pick(kt), preferred_element_type=f32)
     s = jnp.where(mask[:, None, None], s * scale, qwen3._MASK_VALUE)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    p = jnp.exp(s - m_new[..., None])
-    alpha = jnp.exp(m - m_new)
-    denom = denom * alpha + p.sum(axis=-1)
     values = ctx_values.replace('->BTKGH', '->BKGTH')
-    acc = acc * alpha[..., None] + jnp.einsum(
-      values, p.astype(vt.dtype), pick(vt), preferred_element_type=f32
-    )
-    return m_new, denom, acc, ctx_k, ctx_v
+    pv = lambda p: jnp.einsum(values, p.astype(vt.dtype), pick(vt), preferred_element_type=f32)
+    return (*qwen3.online_softmax_step(m, denom, acc, s, pv), ctx_k, ctx_v)
 
   num_tiles = (live + tile - 1) // tile
   _, denom, acc, _, _ = jax.lax.fori_loop(0, num_tiles, body, (m, denom, acc, ctx_k, ctx_v))

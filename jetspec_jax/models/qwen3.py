@@ -343,6 +343,18 @@ class DenseMask(NamedTuple):
     return jnp.int32(self.mask.shape[-1])
 
 
+def online_softmax_step(m, denom, acc, scores, weighted_values):
+  """Folds one tile of masked float32 ``scores [..., T, C]`` into a running softmax.
+
+  ``m``/``denom`` ``[..., T]`` are the running max and normaliser, ``acc [..., T, H]`` the
+  unnormalised output; ``weighted_values(p)`` is ``p @ values`` of the tile.
+  """
+  m_new = jnp.maximum(m, scores.max(axis=-1))
+  p = jnp.exp(scores - m_new[..., None])
+  alpha = jnp.exp(m - m_new)
+  return m_new, denom * alpha + p.sum(axis=-1), acc * alpha[..., None] + weighted_values(p)
+
+
 def attention_live(
   q: Float[Array, 'B T N H'],
   k: Float[Array, 'B S K H'],
@@ -378,14 +390,10 @@ def attention_live(
     vt = jax.lax.dynamic_slice_in_dim(v, start, tile, axis=1)
     s = jnp.einsum('BTKGH,BSKH->BKGTS', q, kt, preferred_element_type=f32) * (h**-0.5)
     s = jnp.where(mask.block(t, start, tile)[:, None, None], s, _MASK_VALUE)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    p = jnp.exp(s - m_new[..., None])
-    scale = jnp.exp(m - m_new)
-    denom = denom * scale + p.sum(axis=-1)
-    acc = acc * scale[..., None] + jnp.einsum(
+    pv = lambda p: jnp.einsum(
       'BKGTS,BSKH->BKGTH', p.astype(vt.dtype), vt, preferred_element_type=f32
     )
-    return m_new, denom, acc, k, v
+    return (*online_softmax_step(m, denom, acc, s, pv), k, v)
 
   shape = (b, kh, n // kh, t)
   init = (jnp.full(shape, -jnp.inf, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, h), f32), k, v)
