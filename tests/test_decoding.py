@@ -188,7 +188,13 @@ def test_sampled_tree_matches_target_distribution(temperature, top_k, top_p):
     tokens = tokens[:, 0]  # the batch of one
     codes = tokens[:, 0] * 25 + tokens[:, 1] * 5 + tokens[:, 2]
     counts += np.bincount(codes, minlength=125)
-  expected = exact_distribution(target, prompt_np, 3, temperature, top_k, top_p) * counts.sum()
+  assert_chi_square(counts, exact_distribution(target, prompt_np, 3, temperature, top_k, top_p))
+
+
+def assert_chi_square(counts, probs):
+  """Pearson's test of ``counts`` against ``probs`` (cells with expected count < 5 pooled); the
+  bound dof + 6 sqrt(2 dof) gives a false alarm with probability < 1e-6."""
+  expected = probs * counts.sum()
   small = expected < 5
   obs = np.append(counts[~small], counts[small].sum())
   exp = np.append(expected[~small], expected[small].sum())
@@ -198,6 +204,41 @@ def test_sampled_tree_matches_target_distribution(temperature, top_k, top_p):
   dof = keep.sum() - 1
   print(f'chi-square {stat:.1f} with {dof} dof (bound {dof + 6 * np.sqrt(2 * dof):.1f})')
   assert stat < dof + 6 * np.sqrt(2 * dof), (stat, dof)
+
+
+def test_sampled_tree_over_several_rounds_and_two_rows():
+  """Several rounds (block 2: at most 2 tokens a round, so 4 tokens need >= 2 rounds after the
+  prefill's), two rows of different prompt lengths in one batch: each row's 4-token sequence
+  follows the target's distribution (fresh keys every round, KV commits and draft-cache growth
+  under sampling), and the rows are independent (their first tokens' joint = product)."""
+  target = js.testing.tiny_target(5, vocab_size=5)
+  target = target.replace(params=jax.tree.map(lambda p: p * 1.5, target.params))
+  head = js.testing.random_draft_head(target, block_size=2, seed=6)
+  rows = [np.array([1, 3, 0, 2]), np.array([4, 1])]
+  prompts, lengths, capacity = decoding._prepare_prompts(target, rows, 4, extra=16)
+  loop = functools.partial(
+    decoding.speculative_loop,
+    capacity=capacity,
+    max_new_tokens=4,
+    sampling=decoding.Sampling(1.0),
+    tree_settings=decoding.TreeSettings(budget=4, width=2),
+  )
+  draw = jax.jit(jax.vmap(lambda k: loop(target, head, prompts, lengths, k)))
+  counts = np.zeros((2, 625))
+  joint = np.zeros(25)
+  rounds = 0
+  for chunk in range(6):
+    tokens, _, _, num_rounds = jax.device_get(draw(jax.random.split(jax.random.key(chunk), 2000)))
+    rounds = max(rounds, int(num_rounds.min()))
+    for r in range(2):
+      codes = tokens[:, r, :4] @ np.array([125, 25, 5, 1])
+      counts[r] += np.bincount(codes, minlength=625)
+    joint += np.bincount(tokens[:, 0, 0] * 5 + tokens[:, 1, 0], minlength=25)
+  assert rounds >= 2
+  for r, prompt in enumerate(rows):
+    assert_chi_square(counts[r], exact_distribution(target, prompt, 4, 1.0, 0, 1.0))
+  first = [exact_distribution(target, prompt, 1, 1.0, 0, 1.0) for prompt in rows]
+  assert_chi_square(joint, np.outer(first[0], first[1]).reshape(-1))
 
 
 def test_process_logits_filters():
