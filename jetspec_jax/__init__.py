@@ -8,7 +8,7 @@ The public API (DESIGN.md §4)::
   out = js.generate(target, head, prompt_ids, max_new_tokens=256, method='tree')
 """
 
-from jetspec_jax import decoding, kv_cache, sharding, testing, tree, verify, viz
+from jetspec_jax import chat_prompts, decoding, kv_cache, sharding, testing, tree, verify, viz
 from jetspec_jax.decoding import GenerateOutput, GenerationStats, generate
 from jetspec_jax.kv_cache import KVCache
 from jetspec_jax.models import draft_head, gguf_io, hf_io, qwen3
@@ -37,6 +37,7 @@ __all__ = [
   'Target',
   'Tokenizer',
   'Tree',
+  'chat_prompts',
   'decoding',
   'draft_head',
   'generate',

@@ -140,3 +140,18 @@ EVAL_CHAT_INSTRUCTIONS = (
 def stdlib_train_files(validation_modules=()) -> list[pathlib.Path]:
   """The standard library's training split (the same split the embedded code model uses)."""
   return corpus.stdlib_files(tuple(validation_modules))[0]
+
+
+def eval_prompt_groups(tokenizer, *, num_code: int = 16, num_math: int = 16, seed: int = 1):
+  """Held-out evaluation prompts, chat-formatted: ``{'code', 'chat', 'math'} -> [ids]``.
+
+  Code: HumanEval problems as a request to complete the function; chat:
+  :data:`EVAL_CHAT_INSTRUCTIONS`; math: :data:`EVAL_MATH_TEMPLATES` (disjoint from training).
+  """
+  code = [
+    'Complete this Python function:\n\n```python\n' + prompt.strip() + '\n```'
+    for _, prompt in prompts_lib.humaneval_prompts(num_code)
+  ]
+  math = math_word_problems(num_math, seed=seed, templates=EVAL_MATH_TEMPLATES)
+  groups = {'code': code, 'chat': list(EVAL_CHAT_INSTRUCTIONS), 'math': math}
+  return {name: [chat_prompt(tokenizer, text) for text in texts] for name, texts in groups.items()}

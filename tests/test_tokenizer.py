@@ -99,3 +99,11 @@ def test_bad_paths(tmp_path):
     js.load_tokenizer(tmp_path / 'no_dir')
   with pytest.raises(FileNotFoundError, match='tokenizer.json'):
     js.load_tokenizer(tmp_path)
+
+
+def test_eval_prompt_groups_are_chat_formatted(tok):
+  groups = js.chat_prompts.eval_prompt_groups(tok, num_code=4, num_math=3)
+  assert {k: len(v) for k, v in groups.items()} == {'code': 4, 'chat': 16, 'math': 3}
+  opening = tok.encode('<|im_start|>assistant\n')
+  for ids in (ids for group in groups.values() for ids in group):
+    assert ids[0] == tok.token_to_id('<|im_start|>') and ids[-len(opening) :] == opening
