@@ -1,13 +1,15 @@
 """Heads for SmolLM2-135M-Instruct (the main job's model): JetSpec (causal) and DFlash-style.
 
-Data (once, shared by every head; resumable, hours on 2 CPU cores):
+Data (once, shared by every head; resumable: re-run the same command; hours on 2 CPU cores; a
+directory outside the checkout survives a fresh clone):
   python -m experiments.generate_data --config=experiments/configs/draft_smollm2.py \
-      --workdir=runs/smollm2_data
-Heads (same data, size and steps):
+      --workdir=$HOME/jetspec_runs/smollm2_data
+Heads (same data, size and steps; training reads the target features stored with the data):
   python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:jetspec \
-      --config.data.dir=runs/smollm2_data/data --workdir=runs/smollm2_jetspec
+      --config.data.dir=$HOME/jetspec_runs/smollm2_data/data --workdir=$HOME/jetspec_runs/jetspec
   python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:dflash \
-      --config.data.dir=runs/smollm2_data/data --workdir=runs/smollm2_dflash
+      --config.data.dir=$HOME/jetspec_runs/smollm2_data/data --workdir=$HOME/jetspec_runs/dflash
+Status: data generation started (session 2); heads not trained yet.
 
 Prompts are made offline and never include an evaluation prompt: instructions the model writes
 itself from its bare user-turn prefix, coding tasks from the standard library's training split,
