@@ -121,8 +121,9 @@ def run(config, workdir: str) -> dict:
         lengths=cache.lengths
       )
 
-    decode_s[context] = median_time_carried(decode_step, cache, target, tok, repeats=config.repeats)
-    cache = filled_cache(target, capacity, context, key)  # the donated one is gone
+    decode_s[context], cache = median_time_carried(
+      decode_step, cache, target, tok, repeats=config.repeats
+    )
     record('ar_decode_step', decode_s[context], context=context)
     for impl in config.attn_impls:
       t_impl = target.with_attn_impl(impl)
@@ -137,10 +138,9 @@ def run(config, workdir: str) -> dict:
           choices = jnp.argmax(verified.logits, -1)
           return choices, verified.cache.replace(lengths=cache.lengths)
 
-        seconds = median_time_carried(
+        seconds, cache = median_time_carried(
           verify_step, cache, t_impl, batched, anc, repeats=config.repeats
         )
-        cache = filled_cache(target, capacity, context, key)
         record('verify', seconds, context=context, nodes=m, attn_impl=impl)
     dcache = head.extend_context(
       head.make_cache(1, capacity),
@@ -172,8 +172,9 @@ def run(config, workdir: str) -> dict:
       committed = verify.commit(cache, cache.lengths, accepted)
       return committed.lengths, committed.replace(lengths=cache.lengths)
 
-    seconds = median_time_carried(tree_accept_commit, cache, draft_logits, repeats=config.repeats)
-    cache = filled_cache(target, capacity, context, key)
+    seconds, cache = median_time_carried(
+      tree_accept_commit, cache, draft_logits, repeats=config.repeats
+    )
     record('tree_accept_commit', seconds, context=context, nodes=budget)
     for impl in config.attn_impls:
       t_impl = target.with_attn_impl(impl)

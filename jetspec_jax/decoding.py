@@ -438,46 +438,63 @@ def _collect(out, counts, wall, max_new_tokens, eos, taus=None, rounds=None):
   return results
 
 
+def _run_ar(target, prompt_list, key, sampling, max_new_tokens, feature_taps=(), **shape_kwargs):
+  """The host side of batched AR: pad, run :func:`ar_loop`, fetch.
+
+  Returns:
+    (tokens, counts, prompt lengths, features or None, wall seconds), all on the host.
+  """
+  prompts, lengths, capacity = _prepare_prompts(
+    target, prompt_list, max_new_tokens, 0, **shape_kwargs
+  )
+  start = time.perf_counter()
+  result = ar_loop(
+    target,
+    prompts,
+    lengths,
+    key,
+    capacity=capacity,
+    max_new_tokens=max_new_tokens,
+    sampling=sampling,
+    feature_taps=tuple(feature_taps),
+  )
+  out, n, features = jax.device_get(result)
+  return out, n, np.asarray(lengths), features, time.perf_counter() - start
+
+
 def generate_with_features(
   target: qwen3.Target,
   prompt_list,
   *,
-  feature_taps: tuple[int, ...],
+  feature_taps: tuple[int, ...] = (),
   max_new_tokens: int,
   temperature: float = 0.0,
   top_p: float = 1.0,
   seed: int = 0,
   eos_id=None,
-) -> list[tuple[np.ndarray, np.ndarray]]:
+) -> list[tuple[np.ndarray, np.ndarray | None]]:
   """Batched AR generation that also returns every sequence's features (training data).
 
   Returns:
     Per prompt ``(response_tokens, features)``: ``features [P + n, F]`` for the ``P`` prompt and
     ``n`` response tokens, ``F = len(feature_taps) * D + D`` (taps, then the final-normed hidden
-    state); the last response token's row is zeros (the target never reads it).
+    state); the last response token's row is zeros (the target never reads it). Without
+    ``feature_taps`` the features are None (plain generation, the same tokens).
   """
-  if not feature_taps:
-    raise ValueError('feature_taps must name at least one target layer')
   eos = stop_ids(eos_id, target.cfg.eos_token_id)
   sampling = Sampling(float(temperature), 0, float(top_p), eos)
-  prompts, lengths, capacity = _prepare_prompts(target, prompt_list, max_new_tokens)
-  out, n, (prompt_feats, new_feats) = jax.device_get(
-    ar_loop(
-      target,
-      prompts,
-      lengths,
-      jax.random.key(seed),
-      capacity=capacity,
-      max_new_tokens=max_new_tokens,
-      sampling=sampling,
-      feature_taps=tuple(feature_taps),
-    )
+  key = jax.random.key(seed)
+  out, n, lengths, features, _ = _run_ar(
+    target, prompt_list, key, sampling, max_new_tokens, feature_taps
   )
   results = []
-  for i, p_len in enumerate(np.asarray(lengths)):
+  for i, p_len in enumerate(lengths):
     tokens = _truncate(out[i], int(n[i]), max_new_tokens, eos)
-    feats = np.concatenate([prompt_feats[i, :p_len], new_feats[i, : len(tokens)]])
-    feats[-1] = 0  # the last token is never fed to the target
+    feats = None
+    if features is not None:
+      prompt_feats, new_feats = features
+      feats = np.concatenate([prompt_feats[i, :p_len], new_feats[i, : len(tokens)]])
+      feats[-1] = 0  # the last token is never fed to the target
     results.append((tokens, feats))
   return results
 
@@ -539,21 +556,16 @@ def generate(
   batch = _is_batch(prompt_ids)
   prompt_list = list(prompt_ids) if batch else [prompt_ids]
   if method == 'ar':
-    prompts, lengths, capacity = _prepare_prompts(
-      target, prompt_list, max_new_tokens, 0, min_prompt_bucket, min_capacity
-    )
-    start = time.perf_counter()
-    out, n, _ = ar_loop(
+    out, n, _, _, wall = _run_ar(
       target,
-      prompts,
-      lengths,
+      prompt_list,
       key,
-      capacity=capacity,
-      max_new_tokens=max_new_tokens,
-      sampling=sampling,
+      sampling,
+      max_new_tokens,
+      min_prompt_bucket=min_prompt_bucket,
+      min_capacity=min_capacity,
     )
-    out, n = jax.device_get((out, n))
-    results = _collect(out, n, time.perf_counter() - start, max_new_tokens, eos)
+    results = _collect(out, n, wall, max_new_tokens, eos)
     return results if batch else results[0]
 
   if head is None:

@@ -242,6 +242,7 @@ def context_block_attention(
   p = jnp.exp(s_blk - m[..., None])
   denom = p.sum(axis=-1)
   acc = jnp.einsum('BKGTP,BPKH->BKGTH', p.astype(blk_v.dtype), blk_v, preferred_element_type=f32)
+  tile_values = ctx_values.replace('->BTKGH', '->BKGTH')  # the running output stays [B,K,G,T,H]
   visible = jnp.any(ctx_mask, axis=(0, 1))
   live = jnp.max(jnp.where(visible, jnp.arange(capacity) + 1, 0))
 
@@ -253,8 +254,7 @@ def context_block_attention(
     mask = jax.lax.dynamic_slice_in_dim(ctx_mask, start, tile, axis=2)
     s = jnp.einsum(ctx_scores, q, pick(kt), preferred_element_type=f32)
     s = jnp.where(mask[:, None, None], s * scale, qwen3._MASK_VALUE)
-    values = ctx_values.replace('->BTKGH', '->BKGTH')
-    pv = lambda p: jnp.einsum(values, p.astype(vt.dtype), pick(vt), preferred_element_type=f32)
+    pv = lambda p: jnp.einsum(tile_values, p.astype(vt.dtype), pick(vt), preferred_element_type=f32)
     return (*qwen3.online_softmax_step(m, denom, acc, s, pv), ctx_k, ctx_v)
 
   num_tiles = (live + tile - 1) // tile

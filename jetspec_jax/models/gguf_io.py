@@ -27,6 +27,7 @@ import shutil
 
 import numpy as np
 
+from jetspec_jax.models import qwen3
 from jetspec_jax.models.checkpoint_files import CheckpointError, write_tensors
 
 # Bump when the conversion's output changes, so stale cache entries are not reused.
@@ -177,12 +178,9 @@ def config_from_gguf(reader) -> dict:
     if tokens is None:
       raise CheckpointError(f'GGUF metadata gives neither {arch}.vocab_size nor a token list')
     vocab = len(tokens.data)
-  model_type = {'llama': 'llama', 'qwen2': 'qwen2', 'qwen3': 'qwen3'}[arch]
   hf = dict(
-    architectures=[
-      {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM'}[arch]
-    ],
-    model_type=model_type,
+    architectures=[qwen3.HF_ARCHITECTURES[arch]],  # GGUF's architecture names are model types
+    model_type=arch,
     vocab_size=int(vocab),
     hidden_size=hidden,
     intermediate_size=int(meta('feed_forward_length', required=True)),

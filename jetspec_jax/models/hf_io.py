@@ -46,13 +46,7 @@ from jetspec_jax.models.checkpoint_files import (  # noqa: F401  (re-exported)
   write_tensors,
 )
 
-SUPPORTED_ARCHITECTURES = {
-  'Qwen3ForCausalLM': 'qwen3',
-  'Qwen3MoeForCausalLM': 'qwen3_moe',
-  'LlamaForCausalLM': 'llama',
-  'Qwen2ForCausalLM': 'qwen2',
-}
-ARCHITECTURE_OF = {model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()}
+SUPPORTED_ARCHITECTURES = {arch: model_type for model_type, arch in qwen3.HF_ARCHITECTURES.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,7 +190,7 @@ def config_to_hf(cfg: qwen3.Qwen3Config, dtype=jnp.float32) -> dict:
       mlp_only_layers=list(cfg.mlp_only_layers),
     )
   else:
-    hf.update(architectures=[ARCHITECTURE_OF[cfg.model_type]], model_type=cfg.model_type)
+    hf.update(architectures=[qwen3.HF_ARCHITECTURES[cfg.model_type]], model_type=cfg.model_type)
   if cfg.model_type == 'qwen2':
     del hf['attention_bias']  # implied by the family
   return hf

@@ -12,10 +12,10 @@ One forward serves three modes (DESIGN.md §5):
   cache slots (committed prefix + the new tokens themselves). The tree verifier uses it.
 
 The new tokens' K/V are first written into the cache at ``slots``; attention then reads only the
-used part of the cache (the smallest power-of-two bucket covering every slot a query may see,
-picked on device; :func:`attention_live`), a query block at a time for long prompts. Without an
-explicit mask, query ``t`` sees every slot ``<= slots[t]`` (causal; correct because committed
-slots are contiguous positions).
+used part of the cache: an online softmax over the key tiles that hold a slot some query may see
+(:func:`attention_live`), so memory stays linear in ``T``. Without an explicit mask, query ``t``
+sees every slot ``<= slots[t]`` (causal; correct because committed slots are contiguous
+positions).
 
 The forward optionally returns the residual stream after each layer in ``taps`` (the "target
 features" the draft head reads, spec §B.2), concatenated on the feature axis. A tap is the raw
@@ -41,7 +41,14 @@ ATTN_IMPLS = ('xla', 'pallas')
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
-MODEL_TYPES = ('qwen3', 'qwen3_moe', 'llama', 'qwen2')
+# Each family's Hugging Face ``architectures`` name (the ``model_type`` is the key).
+HF_ARCHITECTURES = {
+  'qwen3': 'Qwen3ForCausalLM',
+  'qwen3_moe': 'Qwen3MoeForCausalLM',
+  'llama': 'LlamaForCausalLM',
+  'qwen2': 'Qwen2ForCausalLM',
+}
+MODEL_TYPES = tuple(HF_ARCHITECTURES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -135,33 +135,19 @@ def generate_dataset(
     sequences, masks, features = [], [], []
     for b in range(0, len(chunk), batch_size):
       batch = chunk[b : b + batch_size]
-      batch_seed = seed * 100_003 + shard_idx * 1_009 + b
+      results = decoding.generate_with_features(  # batched, jitted AR; rows stop at their EOS
+        target,
+        list(batch),
+        feature_taps=tuple(feature_taps),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed * 100_003 + shard_idx * 1_009 + b,
+        eos_id=eos,
+      )
+      responses = [tokens for tokens, _ in results]
       if feature_taps:
-        results = decoding.generate_with_features(
-          target,
-          list(batch),
-          feature_taps=tuple(feature_taps),
-          max_new_tokens=max_new_tokens,
-          temperature=temperature,
-          top_p=top_p,
-          seed=batch_seed,
-          eos_id=eos,
-        )
-        responses = [r for r, _ in results]
-        features.extend(f[:max_len] for _, f in results)
-      else:
-        outputs = decoding.generate(  # batched, jitted AR; each row stops at its own EOS
-          target,
-          None,
-          list(batch),
-          method='ar',
-          max_new_tokens=max_new_tokens,
-          temperature=temperature,
-          top_p=top_p,
-          seed=batch_seed,
-          eos_id=eos,
-        )
-        responses = [o.tokens for o in outputs]
+        features.extend(feats[:max_len] for _, feats in results)
       for prompt, response in zip(batch, responses):
         seq = np.concatenate([prompt, response])[:max_len]
         mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(response), np.uint8)])
