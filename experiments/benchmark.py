@@ -1,17 +1,19 @@
 """Benchmark harness: tau, tokens/s and speedup of ``ar``, ``chain`` and ``tree`` decoding.
 
   python -m experiments.benchmark --config=experiments/configs/benchmark.py --workdir=benchmarks
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py \
+      --workdir=benchmarks/smollm2_135m
 
 For every temperature, every prompt is decoded with AR and with each (head, method, budget, tree
 algorithm) setting, in one process, after a compile warm-up per setting. Speedup = AR wall time /
-method wall time on the same prompts and ``max_new_tokens`` (DESIGN.md §6). Writes
-``benchmark.json`` (config, versions, device, per-prompt numbers, aggregates), ``benchmark.md``
-and plots (tau vs budget, speedup vs budget, histogram of tokens per round).
+method wall time on the same prompts and ``max_new_tokens`` (DESIGN.md §6); greedy outputs are
+checked identical to AR's. With ``config.peers``, transformers' own ``generate`` (greedy and
+prompt-lookup) decodes the same prompts from the same model file. Writes ``benchmark.json``
+(config, versions, device, per-prompt numbers, aggregates per prompt group), ``benchmark.md`` and
+plots (tau vs budget, speedup vs budget, histogram of tokens per round).
 """
 
-import json
 import pathlib
-import platform
 
 import jax
 import numpy as np
@@ -20,135 +22,98 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import jetspec_jax as js
-from jetspec_jax import corpus, sharding
+from experiments import bench, peers
+from jetspec_jax import chat_prompts, corpus, sharding
 from jetspec_jax import prompts as prompts_lib
-from jetspec_jax.tokenizer import Tokenizer
 
 
-def load_prompt_sets(config, tok: Tokenizer) -> dict[str, list[np.ndarray]]:
+def load_prompt_groups(config, tok) -> dict[str, list[np.ndarray]]:
+  """``{group: [prompt ids]}``: raw code prompts for a code model (``prompts='code'``), or the
+  held-out chat-formatted groups code / chat / math for an instruct model (``'chat'``)."""
+  if config.prompts == 'chat':
+    groups = chat_prompts.eval_prompt_groups(
+      tok, num_code=config.num_per_group, num_math=config.num_per_group
+    )
+    return {g: [np.asarray(p) for p in ps[: config.num_per_group]] for g, ps in groups.items()}
   sets = {}
   if config.num_humaneval:
     sets['humaneval'] = [
-      tok.encode(p) for _, p in prompts_lib.humaneval_prompts(config.num_humaneval)
+      np.asarray(tok.encode(p)) for _, p in prompts_lib.humaneval_prompts(config.num_humaneval)
     ]
   if config.num_heldout:
     _, val_files = corpus.stdlib_files(tuple(config.validation_modules))
     sets['heldout'] = [
-      tok.encode(p) for _, p in prompts_lib.function_prompts(val_files, limit=config.num_heldout)
+      np.asarray(tok.encode(p))
+      for _, p in prompts_lib.function_prompts(val_files, limit=config.num_heldout)
     ]
   return sets
 
 
-def settings(config, heads: dict) -> list[dict]:
-  """Every (head, method, budget, algorithm) setting to run besides AR."""
-  out = []
-  for head_name in heads:
-    out.append(
-      dict(name=f'chain/{head_name}', head=head_name, method='chain', budget=None, algorithm=None)
-    )
-    for algorithm in config.tree_algorithms:
-      for budget in config.budgets:
-        out.append(
-          dict(
-            name=f'tree/{head_name}/{algorithm}/{budget}',
-            head=head_name,
-            method='tree',
-            budget=budget,
-            algorithm=algorithm,
-          )
-        )
-  return out
-
-
 def run(config, workdir: str) -> dict:
-  target = js.load_target(config.target)
-  tok = Tokenizer(config.target)
+  model_path = js.gguf_io.resolve_model_path(config.target)
+  target = js.load_target(model_path)
+  tok = js.load_tokenizer(model_path)
   heads = {name: js.load_draft_head(path, target) for name, path in config.heads.items()}
-  prompt_sets = load_prompt_sets(config, tok)
-  prompts = [(set_name, p) for set_name, ps in prompt_sets.items() for p in ps]
-  runs = settings(config, heads)
+  groups = load_prompt_groups(config, tok)
+  prompts = [(group, p) for group, ps in groups.items() for p in ps]
+  ids = [p for _, p in prompts]
+  eos = tok.eos_ids if config.get('stop_at_eos', False) else None
+  settings = bench.head_settings(list(heads), config.budgets, config.tree_algorithms, config.width)
   # One shape for every prompt, so each setting compiles once (warm-up) and timings exclude it.
   overhang = max(config.budgets) + max(h.cfg.block_size for h in heads.values())
-  shapes = js.decoding.shared_shapes([p for _, p in prompts], config.max_new_tokens, overhang)
-  rows, per_prompt = [], []
+  shapes = js.decoding.shared_shapes(ids, config.max_new_tokens, overhang)
+  rows, per_prompt, ar_tokens = [], [], None
   for temperature in config.temperatures:
-
-    def decode(setting, prompt, seed, temperature=temperature):
-      head = heads[setting['head']] if setting else None
-      kwargs = (
-        dict(method='ar')
-        if setting is None
-        else dict(
-          method=setting['method'],
-          budget=setting['budget'] or 64,
-          width=config.width,
-          tree_algorithm=setting['algorithm'] or 'accum_logp',
-        )
-      )
-      return js.generate(
+    outputs = {}
+    for setting in tqdm(settings, desc=f'T={temperature}', unit='setting'):
+      outputs[setting.name] = bench.measure(
         target,
-        head,
-        prompt,
+        heads,
+        setting,
+        ids,
         max_new_tokens=config.max_new_tokens,
         temperature=temperature,
-        seed=seed,
-        **shapes,
-        **kwargs,
+        shapes=shapes,
+        eos_id=eos,
       )
-
-    results = {}
-    for setting in tqdm([None] + runs, desc=f'T={temperature}', unit='setting'):
-      name = 'ar' if setting is None else setting['name']
-      decode(setting, prompts[0][1], 0)  # compile warm-up
-      outs = [decode(setting, p, i) for i, (_, p) in enumerate(prompts)]
-      results[name] = outs
-      for i, ((set_name, _), out) in enumerate(zip(prompts, outs)):
-        per_prompt.append(
-          dict(
-            temperature=temperature,
-            setting=name,
-            prompt_set=set_name,
-            prompt=i,
-            tokens=int(out.stats.new_tokens),
-            wall_s=out.stats.wall_s,
-            tau=out.stats.tau.tolist(),
-          )
-        )
-    ar_wall = sum(o.stats.wall_s for o in results['ar'])
-    for name, outs in results.items():
-      if temperature == 0:  # lossless check on every prompt
-        for a, b in zip(outs, results['ar']):
-          if not np.array_equal(a.tokens, b.tokens):
-            raise AssertionError(f'{name} differs from ar at T=0')
-      setting = next((s for s in runs if s['name'] == name), None)
-      wall = sum(o.stats.wall_s for o in outs)
-      tokens = sum(o.stats.new_tokens for o in outs)
-      taus = np.concatenate([o.stats.tau for o in outs])
-      rows.append(
+    ar = outputs['ar']
+    if temperature == 0:
+      ar_tokens = [o.tokens for o in ar]
+    for setting in settings:
+      outs = outputs[setting.name]
+      if temperature == 0:
+        bench.check_lossless(setting.name, outs, ar)
+      by_group = {}
+      for group in groups:
+        pick = [i for i, (g, _) in enumerate(prompts) if g == group]
+        ar_wall = sum(ar[i].stats.wall_s for i in pick)
+        by_group[group] = {
+          k: v
+          for k, v in bench.summarize([outs[i] for i in pick], ar_wall).items()
+          if k != 'tau_histogram'
+        }
+      summary = bench.summarize(outs, sum(o.stats.wall_s for o in ar))
+      rows.append(dict(temperature=temperature, **setting.row(), **summary, groups=by_group))
+      logging.info('%s', {k: v for k, v in rows[-1].items() if k != 'groups'})
+      per_prompt += [
         dict(
           temperature=temperature,
-          setting=name,
-          method=setting['method'] if setting else 'ar',
-          head=setting['head'] if setting else None,
-          budget=setting['budget'] if setting else None,
-          algorithm=setting['algorithm'] if setting else None,
-          tau=float(taus.mean()),
-          tps=tokens / wall,
-          speedup=ar_wall / wall,
-          wall_s=wall,
-          tokens=tokens,
-          tau_histogram=np.bincount(taus, minlength=17).tolist(),
+          setting=setting.name,
+          prompt_set=group,
+          prompt=i,
+          tokens=int(out.stats.new_tokens),
+          wall_s=out.stats.wall_s,
+          tau=out.stats.tau.tolist(),
         )
-      )
-      logging.info('%s', rows[-1])
-  batch_rows = run_batches(config, target, heads, [p for _, p in prompts], shapes)
+        for i, ((group, _), out) in enumerate(zip(prompts, outs))
+      ]
+  peer_rows = run_peers(config, model_path, prompts, eos, rows, ar_tokens)
+  batch_rows = run_batches(config, target, heads, ids, shapes)
   result = dict(
-    config=config.to_dict(),
-    device=jax.devices()[0].device_kind,
-    backend=jax.default_backend(),
-    versions=dict(jax=jax.__version__, python=platform.python_version(), jetspec=js.__version__),
-    num_prompts={k: len(v) for k, v in prompt_sets.items()},
+    **bench.envelope(config),
+    num_prompts={k: len(v) for k, v in groups.items()},
     rows=rows,
+    peer_rows=peer_rows,
     per_prompt=per_prompt,
     batch_rows=batch_rows,
   )
@@ -156,37 +121,56 @@ def run(config, workdir: str) -> dict:
   return result
 
 
+def run_peers(config, model_path, prompts, eos, rows, ar_tokens) -> list[dict]:
+  """transformers' ``generate`` on the same prompts and model file, against our AR (T=0).
+
+  ``agreement``: mean fraction of each output's leading tokens equal to our greedy AR's."""
+  if not config.get('peers'):
+    return []
+  found = peers.transformers_generate(
+    str(model_path),
+    [p for _, p in prompts],
+    max_new_tokens=config.max_new_tokens,
+    eos_ids=eos if eos is not None else [js.load_target(model_path).cfg.eos_token_id],
+    modes=tuple(config.peers),
+    threads=config.get('peer_threads'),
+  )
+  ours = {r['setting']: r for r in rows if r['temperature'] == 0}
+  out = []
+  for mode, r in found.items():
+    out.append(
+      dict(
+        setting=f'transformers/{mode}',
+        tps=r['tps'],
+        wall_s=r['wall_total_s'],
+        tokens=r['new_tokens'],
+        agreement=peers.agreement(ar_tokens, r['tokens']) if ar_tokens else None,
+        tps_over_ours={name: ours[name]['tps'] / r['tps'] for name in ours},
+      )
+    )
+    logging.info('%s', {k: v for k, v in out[-1].items() if k != 'tps_over_ours'})
+  return out
+
+
 def run_batches(config, target, heads, prompts, shapes) -> list[dict]:
   """Throughput and per-sequence latency at several batch sizes (greedy; ar and tree)."""
-  head_name = config.batch_head
   rows = []
+  tree = bench.Setting('tree', config.batch_head, config.batch_budget, width=config.width)
   for batch in config.batch_sizes:
-    groups = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+    groups = [list(prompts[i : i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
     if not groups:
       continue
-    for name, head, kwargs in (
-      ('ar', None, dict(method='ar')),
-      (
-        f'tree/{head_name}/{config.batch_budget}',
-        heads[head_name],
-        dict(method='tree', budget=config.batch_budget, width=config.width),
-      ),
-    ):
-
-      def decode(group, head=head, kwargs=kwargs):
-        return js.generate(
-          target, head, list(group), max_new_tokens=config.max_new_tokens, **shapes, **kwargs
-        )
-
-      decode(groups[0])  # warm-up
-      outs = [decode(g) for g in groups]
+    for setting in (bench.Setting(), tree):
+      outs = bench.measure(
+        target, heads, setting, groups, max_new_tokens=config.max_new_tokens, shapes=shapes
+      )
       walls = [o[0].stats.wall_s for o in outs]  # one wall time per batch
       tokens = sum(x.stats.new_tokens for o in outs for x in o)
       taus = np.concatenate([x.stats.tau for o in outs for x in o])
       rows.append(
         dict(
           batch=batch,
-          setting=name,
+          setting=setting.name,
           tps=tokens / sum(walls),
           latency_s=float(np.mean(walls)),
           tau=float(taus.mean()),
@@ -196,29 +180,55 @@ def run_batches(config, target, heads, prompts, shapes) -> list[dict]:
   return rows
 
 
+ROW_COLUMNS = (
+  ('T', '{temperature:g}'),
+  ('setting', '{setting}'),
+  ('tau', '{tau:.2f}'),
+  ('tok/s', '{tps:.1f}'),
+  ('speedup', '{speedup:.2f}x'),
+)
+BATCH_COLUMNS = (
+  ('batch', '{batch}'),
+  ('setting', '{setting}'),
+  ('tau', '{tau:.2f}'),
+  ('tok/s (all sequences)', '{tps:.1f}'),
+  ('latency per batch (s)', '{latency_s:.3f}'),
+)
+PEER_COLUMNS = (
+  ('peer (T=0, same prompts and model file)', '{setting}'),
+  ('tok/s', '{tps:.1f}'),
+  ('leading tokens equal to our AR', '{agreement:.0%}'),
+)
+
+
 def markdown_table(rows) -> str:
-  lines = ['| T | setting | tau | tok/s | speedup |', '|---|---|---|---|---|']
-  lines += [
-    f'| {r["temperature"]:g} | {r["setting"]} | {r["tau"]:.2f} | {r["tps"]:.0f} | '
-    f'{r["speedup"]:.2f}x |'
+  return bench.markdown(ROW_COLUMNS, rows)
+
+
+def group_table(rows) -> str:
+  """tau and speedup per prompt group (one column pair per group)."""
+  groups = list(rows[0]['groups']) if rows else []
+  cols = [('T', '{temperature:g}'), ('setting', '{setting}')]
+  for g in groups:
+    cols += [(f'{g} tau', f'{{{g}_tau:.2f}}'), (f'{g} speedup', f'{{{g}_speedup:.2f}}x')]
+  flat = [
+    dict(
+      temperature=r['temperature'],
+      setting=r['setting'],
+      **{f'{g}_{k}': r['groups'][g][k] for g in groups for k in ('tau', 'speedup')},
+    )
     for r in rows
   ]
-  return '\n'.join(lines) + '\n'
+  return bench.markdown(cols, flat)
 
 
 def write_outputs(result: dict, out: pathlib.Path) -> None:
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'benchmark.json').write_text(json.dumps(result, indent=2))
-  batch = [
-    '',
-    '| batch | setting | tau | tok/s (all sequences) | latency per batch (s) |',
-    '|---|---|---|---|---|',
-  ]
-  batch += [
-    f'| {r["batch"]} | {r["setting"]} | {r["tau"]:.2f} | {r["tps"]:.0f} | {r["latency_s"]:.3f} |'
-    for r in result['batch_rows']
-  ]
-  (out / 'benchmark.md').write_text(markdown_table(result['rows']) + '\n'.join(batch) + '\n')
+  tables = [markdown_table(result['rows']), group_table(result['rows'])]
+  if result['peer_rows']:
+    tables.append(bench.markdown(PEER_COLUMNS, result['peer_rows']))
+  if result['batch_rows']:
+    tables.append(bench.markdown(BATCH_COLUMNS, result['batch_rows']))
+  bench.write_result(result, out, 'benchmark', '\n'.join(tables))
   plot(result['rows'], out)
 
 

@@ -17,9 +17,6 @@ only in interpret mode off an accelerator, which is a correctness tool, not a ti
 """
 
 import functools
-import json
-import pathlib
-import platform
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +24,9 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jetspec_jax as js
-from experiments.timing import median_time, median_time_carried
-from jetspec_jax import decoding, sharding, verify
+from experiments import bench
+from experiments.bench import median_time, median_time_carried
+from jetspec_jax import decoding, rounds, sharding, verify
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.models import qwen3
 
@@ -68,7 +66,7 @@ def prefill_memory(num_tokens: int, cfg=None) -> dict:
   prompts = jax.ShapeDtypeStruct((1, num_tokens), jnp.int32)
   lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
   capacity = decoding.bucket(num_tokens + 1)
-  fn = jax.jit(lambda t, p, n: decoding.prefill(t, p, n, capacity)[:2])  # cache + logits out
+  fn = jax.jit(lambda t, p, n: rounds.prefill(t, p, n, capacity)[:2])  # cache + logits out
   analysis = fn.lower(target, prompts, lengths).compile().memory_analysis()
   return dict(
     tokens=num_tokens,
@@ -76,6 +74,20 @@ def prefill_memory(num_tokens: int, cfg=None) -> dict:
     temp_gib=analysis.temp_size_in_bytes / 2**30,
     output_gib=analysis.output_size_in_bytes / 2**30,
   )
+
+
+def forced_choices(tree: js.tree.Tree, accept_length: int):
+  """Target "choices" that make acceptance follow each node's first child for ``accept_length``
+  steps: realistic work per round, independent of the weights (a ``choose=`` for
+  :func:`jetspec_jax.rounds.speculative_round`; -1 marks "no token")."""
+  b, m = tree.tokens.shape
+  idx = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
+  parents = jnp.where(tree.parents >= 0, tree.parents, m)  # the root and padding: no parent
+  first_child = jnp.full((b, m + 1), m, jnp.int32).at[jnp.arange(b)[:, None], parents].min(idx)
+  first_child = first_child[:, :m]
+  child_token = jnp.take_along_axis(tree.tokens, jnp.minimum(first_child, m - 1), axis=1)
+  keep = (first_child < m) & (tree.depths < accept_length)
+  return jnp.where(keep, child_token, -1)
 
 
 def run(config, workdir: str) -> dict:
@@ -90,7 +102,6 @@ def run(config, workdir: str) -> dict:
   )
   head = dh.DraftHead(
     cfg=head_cfg,
-    target=target,
     params=jax.jit(functools.partial(dh.init_head_params, head_cfg, dtype=dtype))(key),
   )
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -107,7 +118,12 @@ def run(config, workdir: str) -> dict:
     logging.info('%s', rows[-1])
 
   budget = config.round_budget
-  settings = decoding.TreeSettings(budget=budget, width=config.width)
+  settings = rounds.TreeSettings(budget=budget, width=config.width)
+
+  def forced(tree, logits, key):
+    del logits, key
+    return forced_choices(tree, config.forced_accept)
+
   for context in config.contexts:
     capacity = decoding.bucket(context + max(config.nodes) + config.block_size)
     cache = filled_cache(target, capacity, context, key)
@@ -150,16 +166,16 @@ def run(config, workdir: str) -> dict:
     pending = jnp.zeros((1, config.block_size, len(taps) * cfg.hidden_size), dtype)
 
     @jax.jit
-    def draft_step(head, dcache, pending):
+    def draft_step(target, head, dcache, pending):
       dc = head.extend_context(dcache, pending, jnp.array([config.forced_accept + 1]))
-      return head.propose_cached(dc, jnp.zeros((1,), jnp.int32))
+      return head.propose_cached(target, dc, jnp.zeros((1,), jnp.int32))
 
     record(
       'draft_head',
-      median_time(draft_step, head, dcache, pending, repeats=config.repeats),
+      median_time(draft_step, target, head, dcache, pending, repeats=config.repeats),
       context=context,
     )
-    draft_logits = draft_step(head, dcache, pending)
+    draft_logits = draft_step(target, head, dcache, pending)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def tree_accept_commit(cache, draft_logits):
@@ -167,8 +183,9 @@ def run(config, workdir: str) -> dict:
       tree = jax.vmap(lambda i, lp: js.tree.accum_logp(i, lp, budget))(ids, lps)
       anc = jax.vmap(lambda p: js.tree.ancestor_mask(p, head_cfg.max_depth))(tree.parents)
       accepted = verify.accept(
-        tree, anc, decoding.forced_choices(tree, config.forced_accept), head_cfg.max_depth
+        tree, anc, forced_choices(tree, config.forced_accept), head_cfg.max_depth
       )
+      accepted = accepted._replace(bonus=jnp.maximum(accepted.bonus, 0))
       committed = verify.commit(cache, cache.lengths, accepted)
       return committed.lengths, committed.replace(lengths=cache.lengths)
 
@@ -178,29 +195,27 @@ def run(config, workdir: str) -> dict:
     record('tree_accept_commit', seconds, context=context, nodes=budget)
     for impl in config.attn_impls:
       t_impl = target.with_attn_impl(impl)
-      h_impl = head.replace(target=t_impl)
 
       @jax.jit
-      def rounds(t, h, cache, dcache, pending):
-        state = (
-          cache,
-          dcache,
-          pending,
-          jnp.array([config.forced_accept + 1]),
-          jnp.zeros((1,), jnp.int32),
-          jax.random.key(0),
+      def run_rounds(t, h, cache, dcache, pending):
+        state = rounds.RoundState(
+          cache=cache,
+          draft_cache=dcache,
+          pending=pending,
+          num_pending=jnp.array([config.forced_accept + 1]),
+          anchor=jnp.zeros((1,), jnp.int32),
+          key=jax.random.key(0),
         )
 
         def body(_, state):
-          state, _, _ = decoding.speculative_round(
-            t, h, state, decoding.Sampling(), settings, forced_accept_length=config.forced_accept
-          )
-          return state
+          return rounds.speculative_round(t, h, state, rounds.Sampling(), settings, choose=forced)[
+            0
+          ]
 
-        return jax.lax.fori_loop(0, config.rounds, body, state)[0].lengths
+        return jax.lax.fori_loop(0, config.rounds, body, state).cache.lengths
 
       seconds = (
-        median_time(rounds, t_impl, h_impl, cache, dcache, pending, repeats=config.repeats)
+        median_time(run_rounds, t_impl, head, cache, dcache, pending, repeats=config.repeats)
         / config.rounds
       )
       record(
@@ -215,23 +230,15 @@ def run(config, workdir: str) -> dict:
   memory = [prefill_memory(n) for n in config.get('prefill_memory_tokens', ())]
   for m in memory:
     logging.info('Qwen3-8B prefill %s', m)
-  device = jax.devices()[0].device_kind
   result = dict(
+    **bench.envelope(config),
     prefill_memory_qwen3_8b_f32=memory,
-    config=config.to_dict(),
-    device=device,
-    backend=jax.default_backend(),
-    versions=dict(jax=jax.__version__, python=platform.python_version()),
     param_bytes=param_bytes,
     copy_bandwidth_gbs=bandwidth / 1e9,
     weight_read_limit_ms=limit_s * 1e3,
     rows=rows,
   )
-  out = pathlib.Path(workdir)
-  out.mkdir(parents=True, exist_ok=True)
-  name = f'accel_{config.preset}_{device.replace(" ", "_").lower()}'
-  (out / f'{name}.json').write_text(json.dumps(result, indent=2))
-  (out / f'{name}.md').write_text(table(result))
+  bench.write_result(result, workdir, f'accel_{config.preset}_{bench.device_tag()}', table(result))
   print(table(result))
   return result
 

@@ -5,10 +5,6 @@
 Writes ``tree_attention_<device>.json`` and a markdown table to ``--workdir``.
 """
 
-import json
-import pathlib
-import platform
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +12,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jetspec_jax as js
-from experiments.timing import median_time
+from experiments import bench
+from experiments.bench import median_time
 from jetspec_jax.decoding import bucket
 from pallas_kernels import tree_attention as ta
 
@@ -64,30 +61,21 @@ def run(config, workdir: str) -> dict:
         )
       )
       logging.info('%s', rows[-1])
-  device = jax.devices()[0].device_kind
-  result = dict(
-    config=config.to_dict(),
-    device=device,
-    backend=jax.default_backend(),
-    interpret=interpret,
-    versions=dict(jax=jax.__version__, python=platform.python_version()),
-    rows=rows,
+  result = dict(**bench.envelope(config), interpret=interpret, rows=rows)
+  table = bench.markdown(
+    (
+      ('prefix', '{prefix}'),
+      ('M', '{nodes}'),
+      ('pallas ms', '{kernel_ms:.3f}'),
+      ('xla ms', '{xla_ms:.3f}'),
+      ('pallas GB/s', '{kernel_gbs:.1f}'),
+      ('xla GB/s', '{xla_gbs:.1f}'),
+      ('pallas / peak BW', '{kernel_vs_peak:.1%}'),
+    ),
+    rows,
   )
-  out = pathlib.Path(workdir)
-  out.mkdir(parents=True, exist_ok=True)
-  name = f'tree_attention_{device.replace(" ", "_").lower()}'
-  (out / f'{name}.json').write_text(json.dumps(result, indent=2))
-  table = [
-    '| prefix | M | pallas ms | xla ms | pallas GB/s | xla GB/s | pallas / peak BW |',
-    '|---|---|---|---|---|---|---|',
-  ]
-  table += [
-    f'| {r["prefix"]} | {r["nodes"]} | {r["kernel_ms"]:.3f} | {r["xla_ms"]:.3f} | '
-    f'{r["kernel_gbs"]:.1f} | {r["xla_gbs"]:.1f} | {r["kernel_vs_peak"]:.1%} |'
-    for r in rows
-  ]
-  (out / f'{name}.md').write_text('\n'.join(table) + '\n')
-  print('\n'.join(table))
+  bench.write_result(result, workdir, f'tree_attention_{bench.device_tag()}', table)
+  print(table)
   return result
 
 

@@ -1,11 +1,11 @@
-"""The main job: ar vs chain vs tree decoding on the embedded default, lossless and timed.
+"""The main job: ar vs chain vs tree decoding of SmolLM2-135M-Instruct, lossless and timed.
 
-  python -m experiments.demo [--config=experiments/configs/demo.py[:tiny]] [--workdir=runs/demo]
+  make demo   # == python -m experiments.demo [--config=experiments/configs/demo.py[:code_small]]
 
-Loads the target, tokenizer and JetSpec head from assets/, generates greedily for a handful of
-HumanEval prompts with each method (after a compile warm-up), checks that the outputs are
-identical, prints tau / tokens per second / speedup and the first completion, and writes a plot
-of tokens committed per round.
+Loads the target (the packaged SmolLM2-135M-Instruct GGUF by default), its tokenizer and JetSpec
+head, generates greedily for a few held-out chat-formatted prompts (code and chat) with each
+method (after a compile warm-up), checks that the outputs are identical, prints tau / tokens per
+second / speedup and one completion, and writes a plot of tokens committed per round.
 """
 
 import json
@@ -17,68 +17,73 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jetspec_jax as js
+from experiments import bench
+from jetspec_jax import chat_prompts
 from jetspec_jax import prompts as prompts_lib
-from jetspec_jax.tokenizer import Tokenizer
 
 REBUILD = 'see assets/README.md for the commands that rebuild assets/'
 
 
+def demo_prompts(config, tok) -> list[np.ndarray]:
+  """Chat-formatted code and chat requests (``prompts='chat'``) or raw HumanEval prompts."""
+  if config.prompts == 'chat':
+    groups = chat_prompts.eval_prompt_groups(tok, num_code=config.num_prompts, num_math=0)
+    half = (config.num_prompts + 1) // 2
+    chosen = groups['code'][:half] + groups['chat'][: config.num_prompts - half]
+  else:
+    chosen = [tok.encode(p) for _, p in prompts_lib.humaneval_prompts(config.num_prompts)]
+  return [np.asarray(p) for p in chosen]
+
+
 def run(config, workdir: str = 'runs/demo') -> dict:
-  for path in (config.target, config.head):
-    if not pathlib.Path(path).exists():
-      raise FileNotFoundError(f'{path} is missing; {REBUILD}')
-  target = js.load_target(config.target)
+  if not pathlib.Path(config.head).exists():
+    raise FileNotFoundError(f'{config.head} is missing; {REBUILD}')
+  model_path = js.gguf_io.resolve_model_path(config.target)
+  target = js.load_target(model_path)
   head = js.load_draft_head(config.head, target)
-  tok = Tokenizer(config.target)
+  tok = js.load_tokenizer(model_path)
   print(
-    f'target: {js.qwen3.count_params(target.params) / 1e6:.2f}M-parameter Qwen3 code model; '
-    f'JetSpec head: {js.qwen3.count_params(head.params) / 1e6:.2f}M parameters, block '
-    f'{head.cfg.block_size}'
+    f'target: {model_path.name} ({js.qwen3.count_params(target.params) / 1e6:.1f}M parameters, '
+    f'{target.cfg.model_type}); JetSpec head: {js.qwen3.count_params(head.params) / 1e6:.1f}M '
+    f'parameters, block {head.cfg.block_size}; {jax.devices()[0].device_kind}'
   )
-  prompts = [tok.encode(p) for _, p in prompts_lib.humaneval_prompts(config.num_prompts)]
+  prompts = demo_prompts(config, tok)
+  eos = tok.eos_ids if config.prompts == 'chat' else None
   shapes = js.decoding.shared_shapes(
     prompts, config.max_new_tokens, config.budget + head.cfg.block_size
   )
-  methods = {
-    'ar': (None, dict(method='ar')),
-    'chain': (head, dict(method='chain')),
-    'tree': (head, dict(method='tree', budget=config.budget, width=config.width)),
-  }
-  results, outputs = {}, {}
-  for name, (h, kwargs) in methods.items():
-    js.generate(target, h, prompts[0], max_new_tokens=config.max_new_tokens, **shapes, **kwargs)
-    outs = [
-      js.generate(target, h, p, max_new_tokens=config.max_new_tokens, **shapes, **kwargs)
-      for p in prompts
-    ]
-    outputs[name] = outs
-    wall = sum(o.stats.wall_s for o in outs)
-    tokens = sum(o.stats.new_tokens for o in outs)
-    results[name] = dict(
-      tau=float(np.mean(np.concatenate([o.stats.tau for o in outs]))),
-      tps=tokens / wall,
-      wall_s=wall,
-      tokens=tokens,
+  settings = (
+    bench.Setting(),
+    bench.Setting('chain', 'jetspec'),
+    bench.Setting('tree', 'jetspec', config.budget, width=config.width),
+  )
+  outputs = {
+    s.method: bench.measure(
+      target,
+      {'jetspec': head},
+      s,
+      prompts,
+      max_new_tokens=config.max_new_tokens,
+      shapes=shapes,
+      eos_id=eos,
     )
+    for s in settings
+  }
   for name in ('chain', 'tree'):
-    for a, b in zip(outputs[name], outputs['ar']):
-      if not np.array_equal(a.tokens, b.tokens):
-        raise AssertionError(f'{name} output differs from ar: not lossless')
+    bench.check_lossless(name, outputs[name], outputs['ar'])
+  ar_wall = sum(o.stats.wall_s for o in outputs['ar'])
+  results = {name: bench.summarize(outs, ar_wall) for name, outs in outputs.items()}
   print(f'\n{"method":8s} {"tau":>6s} {"tok/s":>8s} {"speedup":>8s}')
   for name, r in results.items():
-    r['speedup'] = results['ar']['wall_s'] / r['wall_s']
-    print(f'{name:8s} {r["tau"]:6.2f} {r["tps"]:8.0f} {r["speedup"]:7.2f}x')
-  print(f'\ngreedy outputs of ar, chain and tree are identical on {len(prompts)} HumanEval prompts')
-  first = prompts_lib.humaneval_prompts(1)[0][1]
-  print(f'\nfirst completion (tree):\n{first}{tok.decode(outputs["tree"][0].tokens)}')
-  plot_path = write_plot(outputs, pathlib.Path(workdir), head.cfg.block_size)
-  summary = dict(
-    config=config.to_dict(),
-    device=jax.devices()[0].device_kind,
-    versions=dict(jax=jax.__version__, jetspec=js.__version__),
-    num_prompts=len(prompts),
-    methods=results,
+    print(f'{name:8s} {r["tau"]:6.2f} {r["tps"]:8.1f} {r["speedup"]:7.2f}x')
+  print(
+    f'\ngreedy outputs of ar, chain and tree (budget {config.budget}) are identical on '
+    f'{len(prompts)} held-out prompts'
   )
+  shown = tok.decode(prompts[0].tolist()) + tok.decode(outputs['tree'][0].tokens.tolist())
+  print(f'\nfirst prompt and its completion (tree):\n{shown}')
+  plot_path = write_plot(outputs, pathlib.Path(workdir), head.cfg.block_size)
+  summary = dict(**bench.envelope(config), num_prompts=len(prompts), methods=results)
   (pathlib.Path(workdir) / 'demo.json').write_text(json.dumps(summary, indent=2))
   print(f'plot: {plot_path}; numbers: {pathlib.Path(workdir) / "demo.json"}')
   return results
@@ -104,7 +109,7 @@ def write_plot(outputs, workdir: pathlib.Path, block_size: int) -> pathlib.Path:
   ax.set(
     xlabel='tokens committed per round',
     ylabel='fraction of rounds',
-    title='JetSpec on the embedded default',
+    title='JetSpec: tokens per round',
   )
   ax.legend()
   fig.tight_layout()

@@ -14,7 +14,7 @@ from ml_collections import config_flags
 from jetspec_jax import sharding
 from jetspec_jax.training import chat_data
 from jetspec_jax.training import data as data_lib
-from jetspec_jax.training import train as train_lib
+from jetspec_jax.training import head_trainer as train_lib
 
 
 def run(config, workdir: str) -> list[pathlib.Path]:

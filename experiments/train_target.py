@@ -9,14 +9,14 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jetspec_jax import sharding
-from jetspec_jax.training import lm
+from jetspec_jax.training import target_trainer
 
 
 def main(argv):
   del argv
   sharding.maybe_initialize_distributed(flags.FLAGS.distributed)
   logging.info('JAX %s on %s', jax.__version__, jax.devices())
-  print(lm.train_target(flags.FLAGS.config, flags.FLAGS.workdir))
+  print(target_trainer.train_target(flags.FLAGS.config, flags.FLAGS.workdir))
 
 
 if __name__ == '__main__':

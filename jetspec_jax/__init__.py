@@ -8,7 +8,17 @@ The public API (DESIGN.md §4)::
   out = js.generate(target, head, prompt_ids, max_new_tokens=256, method='tree')
 """
 
-from jetspec_jax import chat_prompts, decoding, kv_cache, sharding, testing, tree, verify, viz
+from jetspec_jax import (
+  chat_prompts,
+  decoding,
+  kv_cache,
+  rounds,
+  sharding,
+  testing,
+  tree,
+  verify,
+  viz,
+)
 from jetspec_jax.decoding import GenerateOutput, GenerationStats, generate
 from jetspec_jax.kv_cache import KVCache
 from jetspec_jax.models import draft_head, gguf_io, hf_io, qwen3
@@ -48,6 +58,7 @@ __all__ = [
   'load_target',
   'load_tokenizer',
   'qwen3',
+  'rounds',
   'save_draft_head',
   'save_target',
   'sharding',

@@ -1,13 +1,13 @@
-"""Generation: ``js.generate`` and its per-method device loops.
+"""Generation, host side: ``js.generate``, prompt preparation, shapes and outputs.
 
-Every method runs its whole decode in one jitted function: prefill, then ``lax.while_loop`` over
-steps (AR) or speculative rounds, with no host sync until the end (DESIGN.md §2, "the decode
-loop"). Prompts are right-padded to a power-of-two bucket and the cache capacity is bucketed too, so
+Validates and pads the prompts, then runs one jitted device loop per call
+(:mod:`jetspec_jax.rounds`: prefill, then ``lax.while_loop`` over AR steps or speculative rounds,
+no host sync until the end, DESIGN.md §2) and turns its buffers into :class:`GenerateOutput`.
+Prompts are right-padded to a power-of-two bucket and the cache capacity is bucketed too, so
 prompts of similar lengths share one compilation.
 """
 
 import dataclasses
-import functools
 import time
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax import rounds as rounds_lib
 from jetspec_jax import tree as tree_lib
-from jetspec_jax import verify as verify_lib
 from jetspec_jax.models import draft_head as draft_head_lib
 from jetspec_jax.models import qwen3
+from jetspec_jax.rounds import Sampling, TreeSettings
 
 METHODS = ('ar', 'chain', 'tree')
 
@@ -62,78 +63,6 @@ def bucket(n: int, minimum: int = 16) -> int:
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
-PREFILL_CHUNK = 2048
-
-
-def prefill(
-  target: qwen3.Target,
-  prompts,
-  prompt_lens,
-  capacity: int,
-  taps=(),
-  with_hidden: bool = False,
-  chunk: int = PREFILL_CHUNK,
-):
-  """Runs the target over right-padded prompts ``int32[B, Pb]`` of true lengths ``prompt_lens``.
-
-  Padding rows are written to slot ``capacity`` (dropped), so each cache row holds exactly its
-  prompt (``lengths = prompt_lens``); causal by slot, and padding comes after every real row.
-  Prompts longer than ``chunk`` run ``chunk`` tokens at a time (``lax.scan``; each chunk attends
-  causally to itself and to the chunks before it), so activations stay linear in ``chunk``.
-
-  Returns:
-    (cache, last_logits ``[B, V]`` float32, taps ``[B, Pb, n_taps*D]`` or None); with
-    ``with_hidden`` the taps are followed by the final-normed hidden states on the feature axis.
-  """
-  b, pb = prompts.shape
-  cache = target.make_cache(b, capacity)
-  size = chunk if pb > chunk and pb % chunk == 0 else pb
-  last_row = (prompt_lens - 1)[:, None, None]
-
-  def run_chunk(cache, start):
-    tokens = jax.lax.dynamic_slice_in_dim(prompts, start, size, axis=1)
-    positions = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32)[None], (b, size))
-    slots = jnp.where(positions < prompt_lens[:, None], positions, capacity)
-    mask = qwen3.TailMask(jnp.full((b,), start, jnp.int32)) if size < pb else None
-    out = target.forward(tokens, cache, positions=positions, slots=slots, mask=mask, taps=taps)
-    row = jnp.clip(last_row - start, 0, size - 1)
-    last = jnp.take_along_axis(out.hidden, row, axis=1)[:, 0]
-    features = with_features(out) if with_hidden else out.taps
-    return out.cache, (last, features)
-
-  starts = jnp.arange(0, pb, size, dtype=jnp.int32)
-  cache, (lasts, features) = jax.lax.scan(run_chunk, cache, starts)
-  owner = (prompt_lens - 1) // size  # the chunk that holds each prompt's last token
-  last = jnp.take_along_axis(lasts, owner[None, :, None], axis=0)[0]
-  if features is not None:
-    features = jnp.moveaxis(features, 0, 1).reshape(b, pb, -1)
-  return cache, target.lm_logits(last).astype(jnp.float32), features
-
-
-def with_features(out: qwen3.ForwardOutput):
-  """``[taps | hidden]``: what a head reads and what its teacher's logits come from."""
-  return jnp.concatenate([out.taps, out.hidden.astype(out.taps.dtype)], axis=-1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-  """Static sampling settings (``temperature == 0`` is greedy)."""
-
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  eos: tuple[int, ...] = ()  # stop ids
-
-  def sample(self, logits, key):
-    return verify_lib.sample_tokens(logits, key, self.temperature, self.top_k, self.top_p)
-
-  def is_eos(self, tokens):
-    hit = jnp.zeros(tokens.shape, bool)
-    for stop in self.eos:
-      hit = hit | (tokens == stop)
-    return hit
-
-
 def stop_ids(eos_id, default: int | None) -> tuple[int, ...]:
   """``eos_id`` (None, one id or a collection of ids) as a sorted tuple of stop ids."""
   if eos_id is None:
@@ -143,200 +72,6 @@ def stop_ids(eos_id, default: int | None) -> tuple[int, ...]:
   if isinstance(eos_id, int | np.integer):
     return (int(eos_id),)
   return tuple(sorted({int(i) for i in eos_id}))
-
-
-@functools.partial(
-  jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling', 'feature_taps')
-)
-def ar_loop(
-  target,
-  prompts,
-  prompt_lens,
-  key,
-  *,
-  capacity,
-  max_new_tokens,
-  sampling: Sampling,
-  feature_taps: tuple[int, ...] = (),
-):
-  """Batched autoregressive decoding on device.
-
-  Args:
-    prompts: ``int32[B, Pb]`` right-padded prompts.
-    prompt_lens: ``int32[B]`` true lengths.
-    feature_taps: if given, also collect each fed token's features (taps of these layers, then
-      the final-normed hidden state), as training data for heads (no extra target pass).
-
-  Returns:
-    (tokens ``int32[B, max_new_tokens]``, counts ``int32[B]``, features): sequence ``b``
-    generated ``counts[b]`` tokens (EOS included); it stops at EOS while the others go on.
-    ``features`` is None, or ``(prompt_features [B, Pb, F], new_features [B, max_new_tokens, F])``
-    where ``new_features[:, i]`` belongs to generated token ``i`` (the last one is never fed).
-  """
-  b = prompts.shape[0]
-  collect = bool(feature_taps)
-  cache, last_logits, prompt_features = prefill(
-    target, prompts, prompt_lens, capacity, taps=feature_taps, with_hidden=collect
-  )
-  key, sub = jax.random.split(key)
-  first = sampling.sample(last_logits, sub)
-  out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
-  counts = jnp.ones((b,), jnp.int32)
-  width = prompt_features.shape[-1] if collect else 0
-  feats = jnp.zeros((b, max_new_tokens if collect else 0, width), target.dtype)
-
-  def cond(state):
-    i, _, done, *_ = state
-    return (i < max_new_tokens) & ~jnp.all(done)
-
-  def body(state):
-    i, tok, done, counts, cache, out, feats, key = state
-    step = target.forward(tok[:, None], cache, taps=feature_taps)
-    if collect:
-      feats = feats.at[:, i - 1].set(with_features(step)[:, 0])
-    logits = target.lm_logits(step.hidden[:, 0]).astype(jnp.float32)
-    key, sub = jax.random.split(key)
-    nxt = sampling.sample(logits, sub)
-    out = out.at[:, i].set(jnp.where(done, 0, nxt))
-    counts = counts + (~done).astype(jnp.int32)
-    done = done | sampling.is_eos(nxt)
-    return i + 1, nxt, done, counts, step.cache, out, feats, key
-
-  done = sampling.is_eos(first)
-  init = (jnp.int32(1), first, done, counts, cache, out, feats, key)
-  _, _, _, counts, _, out, feats, _ = jax.lax.while_loop(cond, body, init)
-  return out, counts, ((prompt_features, feats) if collect else None)
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeSettings:
-  """Static tree shape: ``budget`` nodes (root included), ``width`` candidates per depth."""
-
-  budget: int
-  width: int
-  algorithm: str = 'accum_logp'
-
-
-def forced_choices(tree: tree_lib.Tree, accept_length: int):
-  """Target "choices" that make acceptance follow each node's first child for ``accept_length``
-  steps (benchmarks: realistic work per round, independent of the weights)."""
-  b, m = tree.tokens.shape
-  idx = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
-  parents = jnp.where(tree.parents >= 0, tree.parents, m)  # the root and padding: no parent
-  first_child = jnp.full((b, m + 1), m, jnp.int32).at[jnp.arange(b)[:, None], parents].min(idx)
-  first_child = first_child[:, :m]
-  child_token = jnp.take_along_axis(tree.tokens, jnp.minimum(first_child, m - 1), axis=1)
-  keep = (first_child < m) & (tree.depths < accept_length)
-  return jnp.where(keep, child_token, -1)
-
-
-def speculative_round(
-  target,
-  head,
-  state,
-  sampling: Sampling,
-  tree_settings: TreeSettings,
-  forced_accept_length: int | None = None,
-):
-  """One JetSpec round: draft -> tree -> verify -> accept -> commit (DESIGN.md §5).
-
-  ``state`` holds the target cache (committed length ``P``), the head's context cache, the
-  features of last round's accepted path not yet in the head's cache (``pending``), the anchor
-  (committed token ``P``) and a PRNG key. Returns the new state and the committed tokens
-  (``[block_size]``, the first ``acc + 1`` valid: accepted drafts then the bonus).
-  ``forced_accept_length`` (benchmarks only) replaces the target's choices so that exactly that
-  many draft nodes are accepted whenever the tree is deep enough.
-  """
-  cache, dcache, pending, num_pending, anchor, key = state
-  max_depth = head.cfg.max_depth
-  dcache = head.extend_context(dcache, pending, num_pending)
-  draft_logits = head.propose_cached(dcache, anchor)  # [B, D, V]
-  ids, logprobs = tree_lib.topk_per_depth(draft_logits, tree_settings.width)
-  builder = functools.partial(
-    tree_lib.TREE_BUILDERS[tree_settings.algorithm], budget=tree_settings.budget
-  )
-  tree = jax.vmap(lambda i, lp, a: builder(i, lp, anchor=a))(ids, logprobs, anchor)
-  anc = jax.vmap(lambda p: tree_lib.ancestor_mask(p, max_depth))(tree.parents)
-  verified = verify_lib.verify_tree(target, cache, tree, anc, head.cfg.target_layer_ids)
-  key, sub = jax.random.split(key)
-  choices = sampling.sample(verified.logits, sub)  # [B, M]
-  if forced_accept_length is not None:
-    choices = forced_choices(tree, forced_accept_length)
-  accepted = verify_lib.accept(tree, anc, choices, max_depth)
-  if forced_accept_length is not None:  # -1 marks "no match"; the bonus must stay a token
-    accepted = accepted._replace(bonus=jnp.maximum(accepted.bonus, 0))
-  cache = verify_lib.commit(verified.cache, cache.lengths, accepted)
-  pending = verify_lib.gather_path(verified.features, accepted.path)
-  path_tokens = jnp.take_along_axis(tree.tokens, accepted.path, axis=1)  # [B, D+1], root first
-  committed = jnp.concatenate([path_tokens[:, 1:], jnp.zeros_like(anchor)[:, None]], axis=1)
-  committed = committed.at[jnp.arange(anchor.shape[0]), accepted.num_accepted].set(accepted.bonus)
-  new_state = (cache, dcache, pending, accepted.num_accepted + 1, accepted.bonus, key)
-  return new_state, committed, accepted.num_accepted + 1
-
-
-@functools.partial(
-  jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling', 'tree_settings')
-)
-def speculative_loop(
-  target,
-  head,
-  prompts,
-  prompt_lens,
-  key,
-  *,
-  capacity: int,
-  max_new_tokens: int,
-  sampling: Sampling,
-  tree_settings: TreeSettings,
-):
-  """Speculative decoding of ``B`` sequences on device: prefill, then rounds in a while loop.
-
-  Every sequence drafts and verifies its own tree in the same round, accepts its own number of
-  tokens, and keeps its own cache length and head context; a sequence that reached EOS or
-  ``max_new_tokens`` stops recording (its rows still compute, harmlessly) until all are done.
-
-  Args:
-    prompts: ``int32[B, Pb]`` right-padded prompts; ``prompt_lens``: ``int32[B]``.
-
-  Returns:
-    (tokens ``[B, max_new_tokens + block_size]``, counts ``[B]``, tau per round
-    ``[B, max_new_tokens]``, rounds ``[B]``). Tokens past ``counts`` are scratch.
-  """
-  b, bs = prompts.shape[0], head.cfg.block_size
-  cache, last_logits, features = prefill(
-    target, prompts, prompt_lens, capacity, taps=head.cfg.target_layer_ids
-  )
-  dcache = head.extend_context(head.make_cache(b, capacity), features, prompt_lens)
-  key, sub = jax.random.split(key)
-  anchor = sampling.sample(last_logits, sub)  # [B]
-  out = jnp.zeros((b, max_new_tokens + bs), jnp.int32).at[:, 0].set(anchor)
-  taus = jnp.zeros((b, max_new_tokens), jnp.int32)
-  pending = jnp.zeros((b, bs, features.shape[-1]), features.dtype)
-  state = (cache, dcache, pending, jnp.zeros((b,), jnp.int32), anchor, key)
-  rows = jnp.arange(b)
-
-  def active(n, done):
-    return (n < max_new_tokens) & ~done
-
-  def cond(carry):
-    n, _, done, *_ = carry
-    return jnp.any(active(n, done))
-
-  def body(carry):
-    n, rounds, done, out, taus, state = carry
-    live = active(n, done)
-    state, committed, tau = speculative_round(target, head, state, sampling, tree_settings)
-    written = jax.vmap(lambda o, c, i: jax.lax.dynamic_update_slice(o, c, (i,)))(out, committed, n)
-    out = jnp.where(live[:, None], written, out)
-    hit = jnp.any(sampling.is_eos(committed) & (jnp.arange(bs)[None] < tau[:, None]), axis=1)
-    taus = taus.at[rows, rounds].set(jnp.where(live, tau, taus[rows, rounds]), mode='drop')
-    live_i = live.astype(jnp.int32)
-    return n + live_i * tau, rounds + live_i, done | (live & hit), out, taus, state
-
-  n0 = jnp.ones((b,), jnp.int32)
-  init = (n0, jnp.zeros((b,), jnp.int32), sampling.is_eos(anchor), out, taus, state)
-  n, rounds, _, out, taus, _ = jax.lax.while_loop(cond, body, init)
-  return out, n, taus, rounds
 
 
 def _prepare_prompts(
@@ -439,7 +174,7 @@ def _collect(out, counts, wall, max_new_tokens, eos, taus=None, rounds=None):
 
 
 def _run_ar(target, prompt_list, key, sampling, max_new_tokens, feature_taps=(), **shape_kwargs):
-  """The host side of batched AR: pad, run :func:`ar_loop`, fetch.
+  """The host side of batched AR: pad, run :func:`jetspec_jax.rounds.ar_loop`, fetch.
 
   Returns:
     (tokens, counts, prompt lengths, features or None, wall seconds), all on the host.
@@ -448,7 +183,7 @@ def _run_ar(target, prompt_list, key, sampling, max_new_tokens, feature_taps=(),
     target, prompt_list, max_new_tokens, 0, **shape_kwargs
   )
   start = time.perf_counter()
-  result = ar_loop(
+  result = rounds_lib.ar_loop(
     target,
     prompts,
     lengths,
@@ -571,7 +306,6 @@ def generate(
   if head is None:
     raise ValueError(f'method={method!r} needs a draft head')
   draft_head_lib.check_fits_target(head.cfg, target.cfg)
-  head = head.replace(target=target)  # the head drafts with this target's embedding and head
   bs = head.cfg.block_size
   if method == 'chain':
     tree_settings = TreeSettings(budget=bs, width=1)
@@ -594,7 +328,7 @@ def generate(
     min_capacity,
   )
   start = time.perf_counter()
-  out, n, taus, rounds = speculative_loop(
+  out, n, taus, rounds = rounds_lib.speculative_loop(
     target,
     head,
     prompts,
@@ -630,35 +364,25 @@ def trace_first_round(
   width: int = 4,
   tree_algorithm: str = 'accum_logp',
 ) -> RoundTrace:
-  """Runs prefill and the first greedy round step by step, returning every intermediate.
-
-  The same functions as :func:`speculative_round`, unjitted and unbatched where that reads
-  better; the committed tokens equal what ``generate`` commits in its first round.
+  """Prefill and the first greedy :func:`~jetspec_jax.rounds.speculative_round`, with every
+  intermediate: the same round ``generate`` runs, so it commits what ``generate`` commits first.
   """
   draft_head_lib.check_fits_target(head.cfg, target.cfg)
-  head = head.replace(target=target)
   prompt, prompt_len, capacity = _prepare_prompt(
     target, prompt_ids, 1, budget + head.cfg.block_size
   )
-  cache, last_logits, features = prefill(
-    target, prompt, prompt_len, capacity, taps=head.cfg.target_layer_ids
+  sampling = Sampling()
+  state = rounds_lib.start_rounds(
+    target, head, prompt, prompt_len, jax.random.key(0), capacity=capacity, sampling=sampling
   )
-  anchor = jnp.argmax(last_logits, -1).astype(jnp.int32)  # [1]
-  dcache = head.extend_context(head.make_cache(1, capacity), features, prompt_len)
-  draft_logits = head.propose_cached(dcache, anchor)[0]
-  ids, logprobs = tree_lib.topk_per_depth(draft_logits, width)
-  tree = tree_lib.TREE_BUILDERS[tree_algorithm](ids, logprobs, budget, anchor=anchor[0])
-  anc = tree.ancestor_mask(head.cfg.max_depth)
-  batched = jax.tree.map(lambda x: x[None], tree)
-  verified = verify_lib.verify_tree(target, cache, batched, anc[None])
-  choices = jnp.argmax(verified.logits, -1).astype(jnp.int32)
-  accepted = verify_lib.accept(batched, anc[None], choices, head.cfg.max_depth)
-  n = int(accepted.num_accepted[0])
+  settings = TreeSettings(budget=budget, width=width, algorithm=tree_algorithm)
+  _, out = rounds_lib.speculative_round(target, head, state, sampling, settings)
+  tau = int(out.tau[0])
   return RoundTrace(
-    tree,
-    anc,
-    choices[0],
-    np.asarray(accepted.path[0, : n + 1]),
-    int(accepted.bonus[0]),
-    jax.nn.log_softmax(draft_logits, -1),
+    jax.tree.map(lambda x: x[0], out.tree),
+    out.ancestors[0],
+    out.choices[0],
+    np.asarray(out.path[0, :tau]),
+    int(out.committed[0, tau - 1]),
+    jax.nn.log_softmax(out.draft_logits[0].astype(jnp.float32), -1),
   )

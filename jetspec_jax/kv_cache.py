@@ -77,7 +77,10 @@ def write_slots(buf: Array, slots: Int[Array, 'B T'], rows: Array) -> Array:
 
 
 def commit_path(
-  cache: KVCache, start: Int[Array, ' B'], path: Int[Array, 'B A'], num_accepted: Int[Array, ' B']
+  cache: KVCache,
+  start: Int[Array, ' B'],
+  path: Int[Array, 'B path'],
+  num_accepted: Int[Array, ' B'],
 ) -> KVCache:
   """Moves the accepted tree path into contiguous slots and sets the new lengths.
 
@@ -89,7 +92,7 @@ def commit_path(
   Args:
     cache: the cache after the verify forward wrote the tree at ``start .. start+M-1``.
     start: ``int32[B]`` first tree slot (the committed length ``P`` before the round).
-    path: ``int32[B, A]`` node indices of the accepted path, root (0) first, padded with any
+    path: ``int32[B, path]`` node indices of the accepted path, root (0) first, padded with any
       valid node index.
     num_accepted: ``int32[B]`` accepted draft nodes (the root not counted).
 

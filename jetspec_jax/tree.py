@@ -85,10 +85,10 @@ def max_expansions(budget: int, min_children: int) -> int:
 
 
 def build_with_caps(
-  topk_ids: Int[Array, 'D W'],
-  topk_logprobs: Float[Array, 'D W'],
+  topk_ids: Int[Array, 'depth W'],
+  topk_logprobs: Float[Array, 'depth W'],
   budget: int,
-  caps: Int[Array, ' D'],
+  caps: Int[Array, ' depth'],
   *,
   anchor: int | Array = 0,
   min_children: int = 1,
@@ -171,8 +171,8 @@ def build_with_caps(
 
 
 def accum_logp(
-  topk_ids: Int[Array, 'D W'],
-  topk_logprobs: Float[Array, 'D W'],
+  topk_ids: Int[Array, 'depth W'],
+  topk_logprobs: Float[Array, 'depth W'],
   budget: int,
   *,
   anchor: int | Array = 0,
@@ -187,8 +187,8 @@ def accum_logp(
 
 
 def top2gap_caps(
-  topk_logprobs: Float[Array, 'D W'], *, beta: float = 1.0, gap0: float = 1.0
-) -> Int[Array, ' D']:
+  topk_logprobs: Float[Array, 'depth W'], *, beta: float = 1.0, gap0: float = 1.0
+) -> Int[Array, ' depth']:
   """Per-depth fan-out ``max(1, round(W * sigmoid(-beta * (gap - gap0))))`` (spec §D.4).
 
   ``gap = lp[d, 0] - lp[d, 1]``: confident depths collapse to a chain, uncertain ones fan out.
@@ -202,8 +202,8 @@ def top2gap_caps(
 
 
 def top2gap(
-  topk_ids: Int[Array, 'D W'],
-  topk_logprobs: Float[Array, 'D W'],
+  topk_ids: Int[Array, 'depth W'],
+  topk_logprobs: Float[Array, 'depth W'],
   budget: int,
   *,
   anchor: int | Array = 0,
@@ -219,7 +219,7 @@ TREE_BUILDERS = {'accum_logp': accum_logp, 'top2gap': top2gap}
 
 
 @functools.partial(jax.jit, static_argnames=('width',))
-def topk_per_depth(logits: Float[Array, '... D V'], width: int):
+def topk_per_depth(logits: Float[Array, '... depth V'], width: int):
   """Full-vocabulary log-softmax in float32, then rank-sorted top-``width`` per depth."""
   logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   values, ids = jax.lax.top_k(logprobs, width)

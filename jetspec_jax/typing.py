@@ -8,7 +8,13 @@ Every einsum string, jaxtyping shape and shape comment in the project uses these
   V vocab            M tree nodes        L layers         E experts
   C draft context rows                   W tree width (top-W per depth)
 
-Example: ``jnp.einsum('BTKGH,BSKH->BKGTS', q, k)``.
+and, where one letter would collide (``D`` is the model dim), whole words in jaxtyping shapes:
+
+  depth    draft depths below the anchor (``block_size - 1``)
+  path     nodes on an accepted path, root included (``depth + 1``)
+  anchors  sampled training blocks of one sequence
+
+Example: ``jnp.einsum('BTKGH,BSKH->BKGTS', q, k)``; ``Float[Array, 'B depth V']``.
 """
 
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray

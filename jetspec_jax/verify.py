@@ -32,7 +32,7 @@ class Verified(NamedTuple):
 
 
 class Accepted(NamedTuple):
-  path: Int[Array, 'B A']  # node indices root-first; entries past num_accepted are 0
+  path: Int[Array, 'B path']  # node indices root-first; entries past num_accepted are 0
   num_accepted: Int[Array, ' B']  # accepted draft nodes (root not counted)
   bonus: Int[Array, ' B']  # the target's token after the last accepted node
 
@@ -127,6 +127,6 @@ def commit(cache: kv_lib.KVCache, start: Int[Array, ' B'], accepted: Accepted) -
   return kv_lib.commit_path(cache, start, accepted.path, accepted.num_accepted)
 
 
-def gather_path(rows: Array, path: Int[Array, 'B A']) -> Array:
+def gather_path(rows: Array, path: Int[Array, 'B path']) -> Array:
   """``rows[b, path[b]]`` for per-node arrays ``[B, M, ...]`` (taps of the accepted path)."""
   return jnp.take_along_axis(rows, path.reshape(path.shape + (1,) * (rows.ndim - 2)), axis=1)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+from jaxtyping import Array, Bool, Float, Int
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -169,19 +170,19 @@ def _kernel(
 
 @functools.partial(jax.jit, static_argnames=('scale', 'block_sizes', 'interpret', 'debug'))
 def tree_attention(
-  q: jax.Array,
-  k_tail: jax.Array,
-  v_tail: jax.Array,
-  k_cache: jax.Array,
-  v_cache: jax.Array,
-  prefix_len: jax.Array,
-  ancestors: jax.Array | None = None,
+  q: Float[Array, 'B T N H'],
+  k_tail: Float[Array, 'B T K H'],
+  v_tail: Float[Array, 'B T K H'],
+  k_cache: Float[Array, 'B S K H'],
+  v_cache: Float[Array, 'B S K H'],
+  prefix_len: Int[Array, ' B'],
+  ancestors: Bool[Array, 'B T T'] | None = None,
   *,
   scale: float | None = None,
   block_sizes: BlockSizes | None = None,
   interpret: bool = False,
   debug: bool = False,
-) -> jax.Array:
+) -> Float[Array, 'B T N H']:
   """Attention of ``T`` new rows over a cached prefix plus their own (tree or causal) tail.
 
   Args:

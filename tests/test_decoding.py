@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jetspec_jax as js
-from jetspec_jax import decoding, verify
+from jetspec_jax import decoding, rounds, verify
 
 VOCAB = 17  # small, so random heads' drafts are often accepted and commits are exercised
 
@@ -111,16 +111,16 @@ def test_rounds_run_without_host_transfers(target, heads, monkeypatch):
 
   def compiled(max_new_tokens):
     loop = functools.partial(
-      decoding.speculative_loop,
+      rounds.speculative_loop,
       capacity=capacity,
       max_new_tokens=max_new_tokens,
-      sampling=decoding.Sampling(),
-      tree_settings=decoding.TreeSettings(budget=16, width=3),
+      sampling=rounds.Sampling(),
+      tree_settings=rounds.TreeSettings(budget=16, width=3),
     )
     return jax.jit(loop).lower(target, head, prompt, plen, jax.random.key(0)).compile()
 
   assert js.testing.host_transfer_ops(compiled(40)) == []
-  out = decoding.speculative_loop(
+  out = rounds.speculative_loop(
     target,
     head,
     prompt,
@@ -128,19 +128,19 @@ def test_rounds_run_without_host_transfers(target, heads, monkeypatch):
     jax.random.key(0),
     capacity=capacity,
     max_new_tokens=40,
-    sampling=decoding.Sampling(),
-    tree_settings=decoding.TreeSettings(budget=16, width=3),
+    sampling=rounds.Sampling(),
+    tree_settings=rounds.TreeSettings(budget=16, width=3),
   )
   assert int(out[3][0]) > 3  # many rounds ran inside that one program
 
-  original = decoding.speculative_round
+  original = rounds.speculative_round
 
   def chatty_round(*args, **kwargs):
-    state, committed, tau = original(*args, **kwargs)
-    jax.debug.callback(lambda t: None, tau)
-    return state, committed, tau
+    state, out = original(*args, **kwargs)
+    jax.debug.callback(lambda t: None, out.tau)
+    return state, out
 
-  monkeypatch.setattr(decoding, 'speculative_round', chatty_round)
+  monkeypatch.setattr(rounds, 'speculative_round', chatty_round)
   assert js.testing.host_transfer_ops(compiled(41))  # a new shape: traced with the mutation
 
 
@@ -151,7 +151,7 @@ def exact_distribution(target, prompt, length, temperature, top_k, top_p):
   seqs = np.zeros((1, 0), np.int32)
   for _ in range(length):
     ids = np.concatenate([np.repeat(prompt[None], len(seqs), 0), seqs], axis=1)
-    logits = target.logits(ids)[:, -1]
+    logits = target.forward_logits(ids)[:, -1]
     step = np.asarray(jax.nn.softmax(verify.process_logits(logits, temperature, top_k, top_p)))
     probs = (probs[:, None] * step).reshape(-1)
     seqs = np.concatenate([np.repeat(seqs, v, 0), np.tile(np.arange(v), len(seqs))[:, None]], 1)
@@ -171,14 +171,14 @@ def test_sampled_tree_matches_target_distribution(temperature, top_k, top_p):
   target = target.replace(params=jax.tree.map(lambda p: p * 1.5, target.params))
   head = js.testing.random_draft_head(target, block_size=4, seed=6)
   prompt_np = np.array([1, 3, 0, 2])
-  sampling = decoding.Sampling(temperature, top_k, top_p)
+  sampling = rounds.Sampling(temperature, top_k, top_p)
   prompt, plen, capacity = decoding._prepare_prompt(target, prompt_np, 3, extra=32)
   loop = functools.partial(
-    decoding.speculative_loop,
+    rounds.speculative_loop,
     capacity=capacity,
     max_new_tokens=3,
     sampling=sampling,
-    tree_settings=decoding.TreeSettings(budget=12, width=3),
+    tree_settings=rounds.TreeSettings(budget=12, width=3),
   )
   draw = jax.jit(jax.vmap(lambda k: loop(target, head, prompt, plen, k)[:2]))
   counts = np.zeros(125)
@@ -217,24 +217,24 @@ def test_sampled_tree_over_several_rounds_and_two_rows():
   rows = [np.array([1, 3, 0, 2]), np.array([4, 1])]
   prompts, lengths, capacity = decoding._prepare_prompts(target, rows, 4, extra=16)
   loop = functools.partial(
-    decoding.speculative_loop,
+    rounds.speculative_loop,
     capacity=capacity,
     max_new_tokens=4,
-    sampling=decoding.Sampling(1.0),
-    tree_settings=decoding.TreeSettings(budget=4, width=2),
+    sampling=rounds.Sampling(1.0),
+    tree_settings=rounds.TreeSettings(budget=4, width=2),
   )
   draw = jax.jit(jax.vmap(lambda k: loop(target, head, prompts, lengths, k)))
   counts = np.zeros((2, 625))
   joint = np.zeros(25)
-  rounds = 0
+  min_rounds = 0
   for chunk in range(6):
     tokens, _, _, num_rounds = jax.device_get(draw(jax.random.split(jax.random.key(chunk), 2000)))
-    rounds = max(rounds, int(num_rounds.min()))
+    min_rounds = max(min_rounds, int(num_rounds.min()))
     for r in range(2):
       codes = tokens[:, r, :4] @ np.array([125, 25, 5, 1])
       counts[r] += np.bincount(codes, minlength=625)
     joint += np.bincount(tokens[:, 0, 0] * 5 + tokens[:, 1, 0], minlength=25)
-  assert rounds >= 2
+  assert min_rounds >= 2
   for r, prompt in enumerate(rows):
     assert_chi_square(counts[r], exact_distribution(target, prompt, 4, 1.0, 0, 1.0))
   first = [exact_distribution(target, prompt, 1, 1.0, 0, 1.0) for prompt in rows]
@@ -284,15 +284,45 @@ def test_trace_first_round_matches_generate(target, heads):
 
 @pytest.mark.parametrize('length', [0, 2, 4])
 def test_forced_acceptance_accepts_exactly(target, heads, length):
-  """The benchmark hook: forced choices accept exactly ``length`` nodes (tree deep enough)."""
+  """The benchmark's chooser: forced choices accept exactly ``length`` nodes (tree deep
+  enough)."""
+  from experiments.benchmark_accel import forced_choices
+
   ids = jnp.asarray(np.arange(15).reshape(5, 3) % VOCAB, jnp.int32)
   lps = jnp.tile(jnp.array([[-0.01, -5.0, -6.0]]), (5, 1))  # a deep rank-0 chain
   tree = jax.tree.map(lambda x: x[None], js.tree.accum_logp(ids, lps, 24, anchor=3))
   anc = js.tree.ancestor_mask(tree.parents[0], 5)[None]
-  accepted = verify.accept(tree, anc, decoding.forced_choices(tree, length), 5)
+  accepted = verify.accept(tree, anc, forced_choices(tree, length), 5)
   assert int(accepted.num_accepted[0]) == length
   path = np.asarray(accepted.path[0, : length + 1])
   assert (np.asarray(tree.depths[0])[path] == np.arange(length + 1)).all()
+
+
+def test_round_takes_a_chooser(target, heads):
+  """``choose=`` replaces the target's choices inside the one round (the benchmark's forced
+  acceptance); the default chooser commits what ``generate`` commits."""
+  from experiments.benchmark_accel import forced_choices
+
+  head = heads['causal']
+  prompt, plen, capacity = decoding._prepare_prompt(target, np.arange(1, 8), 8, extra=40)
+  greedy = rounds.Sampling()
+  state = rounds.start_rounds(
+    target, head, prompt, plen, jax.random.key(0), capacity=capacity, sampling=greedy
+  )
+  settings = rounds.TreeSettings(budget=24, width=1)  # a chain: deep enough for 3
+
+  def forced(tree, logits, key):
+    return forced_choices(tree, 3)
+
+  _, out = rounds.speculative_round(target, head, state, greedy, settings, choose=forced)
+  assert int(out.tau[0]) == 4
+  _, out = rounds.speculative_round(target, head, state, greedy, settings)
+  want = js.generate(
+    target, head, np.arange(1, 8), max_new_tokens=8, method='tree', budget=24, width=1
+  )
+  tau = int(out.tau[0])
+  assert tau == want.stats.tau[0]
+  np.testing.assert_array_equal(np.asarray(out.committed[0, :tau]), want.tokens[1 : 1 + tau])
 
 
 @pytest.mark.parametrize(
@@ -324,7 +354,7 @@ def test_chunked_prefill_equals_one_pass(target, attn_impl):
     t, [js.testing.random_ids(i, (n,), t.cfg.vocab_size) for i, n in enumerate((64, 37, 5))], 8
   )
   assert prompts.shape[1] == 64
-  run = jax.jit(decoding.prefill, static_argnames=('capacity', 'taps', 'chunk'))
+  run = jax.jit(rounds.prefill, static_argnames=('capacity', 'taps', 'chunk'))
   whole = run(t, prompts, lengths, capacity=capacity, taps=(0, 2), chunk=2048)
   chunked = run(t, prompts, lengths, capacity=capacity, taps=(0, 2), chunk=16)
   np.testing.assert_array_equal(np.asarray(chunked[0].lengths), [64, 37, 5])

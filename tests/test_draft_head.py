@@ -60,16 +60,16 @@ def test_context_at_or_after_anchor_is_invisible(target):
   ctx = features(1, 12, head)
   anchor = jnp.array([7])
   cache = head.extend_context(head.make_cache(1, 32), ctx[None, :8], jnp.array([8]))
-  clean = head.propose_cached(cache, anchor)
+  clean = head.propose_cached(target, cache, anchor)
   # Write garbage rows at slots 8..11 (positions >= the anchor's), then restore the length.
   dirty = head.extend_context(cache, ctx[None, 8:] * 50.0, jnp.array([4]))
   dirty = dirty.replace(lengths=cache.lengths)
   np.testing.assert_allclose(
-    np.asarray(head.propose_cached(dirty, anchor)), np.asarray(clean), atol=1e-6
+    np.asarray(head.propose_cached(target, dirty, anchor)), np.asarray(clean), atol=1e-6
   )
   # And the last context row does matter (the test is not vacuous).
   other = head.extend_context(head.make_cache(1, 32), ctx[None, 1:9], jnp.array([8]))
-  assert not np.allclose(np.asarray(head.propose_cached(other, anchor)), np.asarray(clean))
+  assert not np.allclose(np.asarray(head.propose_cached(target, other, anchor)), np.asarray(clean))
 
 
 def test_cached_equals_uncached_across_rounds(target):
@@ -84,8 +84,8 @@ def test_cached_equals_uncached_across_rounds(target):
     pending = jnp.zeros((1, 8, ctx.shape[1])).at[0, :rows].set(ctx[done : done + rows])
     cache = head.extend_context(cache, pending, jnp.array([rows]))
     done += rows
-    cached = head.propose_cached(cache, jnp.array([anchor]))[0]
-    fresh = head.propose(ctx[:done], int(anchor))
+    cached = head.propose_cached(target, cache, jnp.array([anchor]))[0]
+    fresh = head.propose(target, ctx[:done], int(anchor))
     assert fresh.shape == (5, target.cfg.vocab_size)
     np.testing.assert_allclose(np.asarray(cached), np.asarray(fresh), atol=ATOL)
 
@@ -105,7 +105,7 @@ def test_default_tap_rule():
   assert dh.default_tap_layers(36, 1) == (18,)
 
 
-# ---- Checkpoints in the released layout. ---------------------------------------------------
+# Checkpoints in the released layout.
 
 
 def released_layout(cfg: dh.DraftHeadConfig, seed=0) -> dict[str, np.ndarray]:
@@ -161,7 +161,7 @@ def test_loads_released_layout_and_round_trips(target, tmp_path):
   reloaded = js.load_draft_head(tmp_path / 'saved', target)
   feats = features(0, 5, head)
   np.testing.assert_array_equal(
-    np.asarray(reloaded.propose(feats, 3)), np.asarray(head.propose(feats, 3))
+    np.asarray(reloaded.propose(target, feats, 3)), np.asarray(head.propose(target, feats, 3))
   )
 
 
@@ -195,9 +195,9 @@ def test_head_that_does_not_fit_the_target(target, tmp_path):
 def test_propose_rejects_bad_features(target):
   head = js.testing.random_draft_head(target, block_size=4)
   with pytest.raises(ValueError, match='features have width'):
-    head.propose(jnp.zeros((3, 7)), 1)
+    head.propose(target, jnp.zeros((3, 7)), 1)
   with pytest.raises(ValueError, match=r'\[C, n_taps\*D\]'):
-    head.propose(jnp.zeros((7,)), 1)
+    head.propose(target, jnp.zeros((7,)), 1)
 
 
 def test_qwen3_8b_head_has_the_released_parameter_count():

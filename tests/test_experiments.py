@@ -41,7 +41,14 @@ def test_demo_runs_on_tiny_config(tmp_path):
   assert set(results) == {'ar', 'chain', 'tree'}
   saved = json.loads((tmp_path / 'demo.json').read_text())
   for name in ('ar', 'chain', 'tree'):
-    assert set(saved['methods'][name]) == {'tau', 'tps', 'wall_s', 'tokens', 'speedup'}
+    assert set(saved['methods'][name]) == {
+      'tau',
+      'tps',
+      'wall_s',
+      'tokens',
+      'speedup',
+      'tau_histogram',
+    }
   assert saved['methods']['tree']['tau'] >= 1.0 and (tmp_path / 'demo_tau.png').exists()
 
 
@@ -58,11 +65,13 @@ def test_benchmark_runs_on_tiny_config(tmp_path):
     'num_prompts',
     'rows',
     'per_prompt',
+    'peer_rows',
   }
   settings = {r['setting'] for r in result['rows']}
   assert {'ar', 'chain/jetspec', 'chain/dflash', 'tree/jetspec/accum_logp/32'} <= settings
   for row in saved['rows']:
     assert {'temperature', 'setting', 'tau', 'tps', 'speedup', 'tau_histogram'} <= set(row)
+    assert set(row['groups']) == {'humaneval', 'heldout'}
   assert (tmp_path / 'benchmark.md').exists() and (tmp_path / 'benchmark.png').exists()
 
 
@@ -84,15 +93,15 @@ def test_generate_data_binary_runs_and_resumes(tmp_path):
 
 
 def test_train_target_binary_on_tiny_config(tmp_path):
-  from jetspec_jax.training import lm
+  from jetspec_jax.training import target_trainer
 
   config = target_code_small.get_config('tiny')
-  result = lm.train_target(config, str(tmp_path))
+  result = target_trainer.train_target(config, str(tmp_path))
   assert result['steps'] == 6 and np.isfinite(result['val_loss'])
   target = js.load_target(tmp_path / 'export')
   assert target.cfg.vocab_size == 300
   # Resume: a second call finds the final checkpoint and does no more steps.
-  assert lm.train_target(config, str(tmp_path))['steps'] == 6
+  assert target_trainer.train_target(config, str(tmp_path))['steps'] == 6
   lines = (tmp_path / 'metrics.jsonl').read_text().splitlines()
   assert [json.loads(x)['step'] for x in lines] == [3, 6]
 

@@ -14,7 +14,7 @@ def target():
 def naive_greedy(target, prompt, n):
   seq = list(prompt)
   for _ in range(n):
-    seq.append(int(np.asarray(target.logits(np.array([seq])))[0, -1].argmax()))
+    seq.append(int(np.asarray(target.forward_logits(np.array([seq])))[0, -1].argmax()))
   return np.array(seq[len(prompt) :])
 
 

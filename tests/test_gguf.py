@@ -109,7 +109,7 @@ def test_gguf_logits_match_transformers_gguf_loading(tiny_gguf):
   ids = js.testing.random_ids(5, (2, 19), TINY_LLAMA['vocab_size'])
   with torch.no_grad():
     want = model(torch.from_numpy(ids).long()).logits.numpy()
-  got = np.asarray(target.logits(ids))
+  got = np.asarray(target.forward_logits(ids))
   print(f'gguf parity: max |logit diff| {np.abs(got - want).max():.3g}')
   assert np.abs(want).max() > 1.0
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
@@ -129,7 +129,7 @@ def test_gguf_equals_its_dequantized_weights(tiny_gguf):
 
 def test_second_load_uses_the_cache_and_a_corrupt_entry_is_rebuilt(tiny_gguf, monkeypatch):
   path, _ = tiny_gguf
-  first = np.asarray(js.load_target(path).logits(np.arange(7)[None]))
+  first = np.asarray(js.load_target(path).forward_logits(np.arange(7)[None]))
   entry = gguf_io.cached_checkpoint(path)
   assert json.loads((entry / gguf_io.MANIFEST).read_text())['size'] > 0
 
@@ -137,19 +137,25 @@ def test_second_load_uses_the_cache_and_a_corrupt_entry_is_rebuilt(tiny_gguf, mo
     raise AssertionError('converted again although the cache entry is valid')
 
   monkeypatch.setattr(gguf_io, 'convert', no_conversion)
-  np.testing.assert_array_equal(np.asarray(js.load_target(path).logits(np.arange(7)[None])), first)
+  np.testing.assert_array_equal(
+    np.asarray(js.load_target(path).forward_logits(np.arange(7)[None])), first
+  )
   weights = entry / 'model.safetensors'
   weights.write_bytes(weights.read_bytes()[:-100])  # truncated entry
   with pytest.raises(AssertionError, match='converted again'):
     js.load_target(path)
   monkeypatch.undo()
   monkeypatch.setenv('JETSPEC_JAX_CACHE', str(entry.parents[1]))
-  np.testing.assert_array_equal(np.asarray(js.load_target(path).logits(np.arange(7)[None])), first)
+  np.testing.assert_array_equal(
+    np.asarray(js.load_target(path).forward_logits(np.arange(7)[None])), first
+  )
   data = bytearray(weights.read_bytes())
   data[-5] ^= 0xFF  # same size, corrupted content
   weights.write_bytes(bytes(data))
   assert not gguf_io._entry_is_valid(entry)
-  np.testing.assert_array_equal(np.asarray(js.load_target(path).logits(np.arange(7)[None])), first)
+  np.testing.assert_array_equal(
+    np.asarray(js.load_target(path).forward_logits(np.arange(7)[None])), first
+  )
 
 
 def test_missing_and_truncated_files(tiny_gguf, tmp_path):
@@ -183,3 +189,25 @@ def test_unknown_tensor_type_is_named(tmp_path):
   gguf_io.write_gguf(path, cfg, tensors, tensor_types={name: T.Q5_0})
   with pytest.raises(js.CheckpointError, match=r'blk\.0\.ffn_up\.weight has type Q5_0'):
     js.load_target(path)
+
+
+def test_transformers_peer_decodes_the_same_greedy_tokens(tiny_gguf):
+  """The benchmark's peer (transformers' generate, greedy and prompt-lookup) on the same GGUF
+  produces our greedy AR tokens; ``agreement`` measures the shared leading run."""
+  pytest.importorskip('torch')
+  pytest.importorskip('transformers')
+  from experiments import peers
+
+  path, _ = tiny_gguf
+  target = js.load_target(path)
+  prompts = [np.arange(3, 12), np.asarray([5, 9, 5, 9, 5, 9, 5])]
+  eos = [TINY_LLAMA['vocab_size'] - 1]
+  ours = [
+    js.generate(target, None, p, max_new_tokens=12, method='ar', eos_id=eos).tokens for p in prompts
+  ]
+  found = peers.transformers_generate(str(path), prompts, max_new_tokens=12, eos_ids=eos)
+  assert set(found) == set(peers.MODES)
+  for mode, r in found.items():
+    assert r['new_tokens'] == sum(len(t) for t in r['tokens']) and r['tps'] > 0
+    assert peers.agreement(ours, r['tokens']) == 1.0, mode
+  assert peers.agreement([np.asarray([1, 2, 3, 4])], [[1, 2, 0, 4]]) == 0.5

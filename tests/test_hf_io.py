@@ -45,7 +45,7 @@ def test_sharded_round_trip(saved, tmp_path):
   assert not (tmp_path / hf_io.SINGLE_FILE).exists()
   ids = js.testing.random_ids(0, (1, 6), target.cfg.vocab_size)
   np.testing.assert_array_equal(
-    np.asarray(js.load_target(tmp_path).logits(ids)), np.asarray(target.logits(ids))
+    np.asarray(js.load_target(tmp_path).forward_logits(ids)), np.asarray(target.forward_logits(ids))
   )
 
 
@@ -54,7 +54,9 @@ def test_bfloat16_load(saved):
   bf16 = js.load_target(path, dtype=jnp.bfloat16)
   assert bf16.dtype == jnp.bfloat16
   ids = js.testing.random_ids(0, (1, 6), target.cfg.vocab_size)
-  np.testing.assert_allclose(np.asarray(bf16.logits(ids)), np.asarray(target.logits(ids)), atol=0.1)
+  np.testing.assert_allclose(
+    np.asarray(bf16.forward_logits(ids)), np.asarray(target.forward_logits(ids)), atol=0.1
+  )
 
 
 def test_missing_directory_and_files(saved, tmp_path):

@@ -164,18 +164,18 @@ def test_moe_preset_active_parameters():
   assert cfg.is_moe and all(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
 
 
-# ---- Bad inputs: each a clear error. -------------------------------------------------------
+# Bad inputs: each a clear error.
 
 
 def test_bad_token_ids(target):
   with pytest.raises(TypeError, match='integer'):
-    target.logits(np.zeros((1, 4), np.float32))
+    target.forward_logits(np.zeros((1, 4), np.float32))
   with pytest.raises(ValueError, match=r'int\[B, T\]'):
-    target.logits(np.zeros((4,), np.int32))
+    target.forward_logits(np.zeros((4,), np.int32))
   with pytest.raises(ValueError, match=r'token ids must be in \[0, 257\)'):
-    target.logits(np.array([[1, 2, 257]]))
+    target.forward_logits(np.array([[1, 2, 257]]))
   with pytest.raises(ValueError, match='token ids must be in'):
-    target.logits(np.array([[-1, 2]]))
+    target.forward_logits(np.array([[-1, 2]]))
 
 
 def test_sequence_beyond_cache_capacity(target):

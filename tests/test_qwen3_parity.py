@@ -114,7 +114,7 @@ def test_llama3_rope_scaling_matters():
   tensors = {k: v.numpy() for k, v in model.state_dict().items()}
   unscaled = dataclasses.replace(cfg, rope_scaling=None)
   target = js.Target(cfg=unscaled, params=js.hf_io.params_from_hf(tensors, unscaled))
-  assert np.abs(np.asarray(target.logits(ids)) - want).max() > 100 * TOL
+  assert np.abs(np.asarray(target.forward_logits(ids)) - want).max() > 100 * TOL
 
 
 def hf_outputs(model, ids: np.ndarray):
@@ -136,7 +136,7 @@ def test_logits_match_transformers(saved):
   target = js.load_target(path)
   ids = js.testing.random_ids(1, (2, 13), target.cfg.vocab_size)
   want, _ = hf_outputs(model, ids)
-  got = np.asarray(target.logits(ids))
+  got = np.asarray(target.forward_logits(ids))
   diff = np.abs(got - want).max()
   print(f'parity {case}: max |logit diff| = {diff:.3g} (logit scale {np.abs(want).max():.3g})')
   assert np.abs(want).max() > 1.0  # the comparison is not between near-zero numbers
@@ -166,7 +166,7 @@ def test_save_then_transformers_load(saved, tmp_path):
   got, _ = hf_outputs(reloaded, ids)
   np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
   again = js.load_target(tmp_path / 'roundtrip')
-  np.testing.assert_allclose(np.asarray(again.logits(ids)), want, atol=TOL, rtol=0)
+  np.testing.assert_allclose(np.asarray(again.forward_logits(ids)), want, atol=TOL, rtol=0)
 
 
 def test_sharded_and_fused_expert_layouts(tmp_path):
@@ -192,5 +192,5 @@ def test_sharded_and_fused_expert_layouts(tmp_path):
   fused = js.load_target(out)
   ids = js.testing.random_ids(4, (1, 9), cfg.vocab_size)
   np.testing.assert_allclose(
-    np.asarray(fused.logits(ids)), np.asarray(ref.logits(ids)), atol=1e-6, rtol=0
+    np.asarray(fused.forward_logits(ids)), np.asarray(ref.forward_logits(ids)), atol=1e-6, rtol=0
   )

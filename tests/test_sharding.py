@@ -19,7 +19,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import jetspec_jax as js
 from jetspec_jax import sharding
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.training import train as train_lib
+from jetspec_jax.training import head_trainer as train_lib
 assert jax.device_count() == 4
 dims = dict(vocab_size=64, hidden_size=48, intermediate_size=64, num_attention_heads=8,
             num_key_value_heads=4, head_dim=16)
@@ -48,7 +48,7 @@ for moe in (False, True):
   for data, model in ((4, 1), (2, 2), (1, 4)):
     mesh = sharding.make_mesh(data, model)
     t = target.replace(params=sharding.shard_params(target.params, mesh))
-    h = head.replace(params=sharding.shard_params(head.params, mesh), target=t)
+    h = head.replace(params=sharding.shard_params(head.params, mesh))
     q = t.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "model", None), q.sharding
     got = [o.tokens for o in js.generate(t, h, prompts, max_new_tokens=16, budget=16, width=3)]

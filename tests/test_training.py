@@ -15,8 +15,8 @@ from experiments.configs import draft_tiny
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import blocks as blocks_lib
 from jetspec_jax.training import data as data_lib
+from jetspec_jax.training import head_trainer as train_lib
 from jetspec_jax.training import losses
-from jetspec_jax.training import train as train_lib
 
 VOCAB = 97
 
@@ -145,7 +145,7 @@ def test_overfits_a_fixed_batch(target, head_cfg, dataset):
   batch = batches[0]
   optimizer = train_lib.make_optimizer(lr=1e-2, steps=150, warmup_steps=5)
   settings = train_lib.StepSettings(num_anchors=8, loss='ce', loss_chunk=8)
-  step = train_lib.make_train_step(target, head_cfg, optimizer, settings, train_lib.make_mesh(1))
+  step = train_lib.make_train_step(target, head_cfg, optimizer, settings, js.sharding.make_mesh(1))
   state = train_lib.init_state(dh.init_head_params(head_cfg, jax.random.key(0)), optimizer)
   key = jax.random.key(5)
   history = []
@@ -209,7 +209,7 @@ import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 import jetspec_jax as js
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.training import data as data_lib, train as train_lib
+from jetspec_jax.training import data as data_lib, head_trainer as train_lib
 assert jax.device_count() == 2
 target = js.testing.tiny_target(0, vocab_size={VOCAB})
 cfg = dh.config_for_target(target.cfg, num_layers=1, block_size=6, target_layer_ids=(0, 2))
@@ -218,7 +218,7 @@ opt = train_lib.make_optimizer(lr=3e-3, steps=10, warmup_steps=1)
 settings = train_lib.StepSettings(num_anchors=8, loss="fkl", loss_chunk=8)
 results = []
 for n in (1, 2):
-  step = train_lib.make_train_step(target, cfg, opt, settings, train_lib.make_mesh(n))
+  step = train_lib.make_train_step(target, cfg, opt, settings, js.sharding.make_mesh(n))
   state = train_lib.init_state(dh.init_head_params(cfg, jax.random.key(0)), opt)
   for s in range(3):
     state, metrics = step(state, batches[s], jax.random.key(s))
@@ -313,7 +313,7 @@ def test_stored_features_train_like_the_target_pass(target, head_cfg, dataset, t
 
   optimizer = train_lib.make_optimizer(lr=1e-3, steps=2, warmup_steps=1)
   settings = train_lib.StepSettings(num_anchors=8, loss='fkl', loss_chunk=8)
-  step = train_lib.make_train_step(target, head_cfg, optimizer, settings, train_lib.make_mesh(1))
+  step = train_lib.make_train_step(target, head_cfg, optimizer, settings, js.sharding.make_mesh(1))
   batch = data_lib.make_batches(with_features, 4, seed=0)[0]
   params = dh.init_head_params(head_cfg, jax.random.key(0))
   _, stored = step(train_lib.init_state(params, optimizer), batch, jax.random.key(1))

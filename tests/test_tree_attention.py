@@ -138,7 +138,7 @@ def test_target_forward_pallas_equals_xla():
   pallas = target.with_attn_impl('pallas')
   ids = js.testing.random_ids(0, (2, 12), target.cfg.vocab_size)
   np.testing.assert_allclose(
-    np.asarray(pallas.logits(ids)), np.asarray(target.logits(ids)), atol=2e-5
+    np.asarray(pallas.forward_logits(ids)), np.asarray(target.forward_logits(ids)), atol=2e-5
   )
   tree = js.testing.random_tree(1, 9, vocab_size=target.cfg.vocab_size)
   anc = tree.ancestor_mask()[None]

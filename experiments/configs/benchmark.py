@@ -16,6 +16,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.heads = ml_collections.ConfigDict(
     dict(jetspec='assets/jetspec_head_code_small', dflash='assets/dflash_head_code_small')
   )
+  config.prompts = 'code'  # raw code prompts: HumanEval + held-out standard-library modules
   config.num_humaneval = 16
   config.num_heldout = 8
   config.validation_modules = corpus.VALIDATION_MODULES

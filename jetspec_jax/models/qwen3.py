@@ -239,7 +239,6 @@ def tiny_llama(**overrides) -> Qwen3Config:
   return tiny(**{**base, **overrides})
 
 
-# --------------------------------------------------------------------------------------------
 # Modules.
 
 
@@ -604,7 +603,7 @@ class Qwen3(nn.Module):
   def embed(self, tokens):
     return self.embed_tokens(tokens)
 
-  def logits(self, hidden):
+  def lm_logits(self, hidden):
     if self.cfg.tie_word_embeddings:
       return self.embed_tokens.attend(hidden)
     return self.lm_head(hidden)
@@ -612,10 +611,9 @@ class Qwen3(nn.Module):
   def init_all(self, tokens, positions, slots, mask, cache_k, cache_v):
     """Touches every parameter (used by ``init``)."""
     hidden, *_ = self(tokens, positions, slots, mask, cache_k, cache_v)
-    return self.logits(hidden)
+    return self.lm_logits(hidden)
 
 
-# --------------------------------------------------------------------------------------------
 # Functional API.
 
 
@@ -718,9 +716,9 @@ def forward(
   return ForwardOutput(hidden, kv_lib.KVCache(new_k, new_v, lengths), features)
 
 
-def logits(params: dict, hidden: Float[Array, '... D'], *, cfg: Qwen3Config) -> Array:
+def lm_logits(params: dict, hidden: Float[Array, '... D'], *, cfg: Qwen3Config) -> Array:
   """Applies the LM head (or the tied embedding) to final-normed hidden states."""
-  return Qwen3(cfg, hidden.dtype).apply({'params': params}, hidden, method=Qwen3.logits)
+  return Qwen3(cfg, hidden.dtype).apply({'params': params}, hidden, method=Qwen3.lm_logits)
 
 
 def embed(params: dict, tokens: Int[Array, '...'], *, cfg: Qwen3Config) -> Array:
@@ -759,7 +757,6 @@ def check_token_ids(token_ids, vocab_size: int) -> None:
     )
 
 
-# --------------------------------------------------------------------------------------------
 # The target as one object.
 
 
@@ -790,12 +787,13 @@ class Target:
     return forward(self.params, tokens, cache, cfg=self.cfg, attn_impl=self.attn_impl, **kwargs)
 
   def lm_logits(self, hidden):
-    return logits(self.params, hidden, cfg=self.cfg)
+    """Vocabulary scores of final-normed hidden states (the LM head or the tied embedding)."""
+    return lm_logits(self.params, hidden, cfg=self.cfg)
 
   def embed(self, tokens):
     return embed(self.params, tokens, cfg=self.cfg)
 
-  def logits(self, token_ids: Int[Array, 'B T']) -> Float[Array, 'B T V']:
+  def forward_logits(self, token_ids: Int[Array, 'B T']) -> Float[Array, 'B T V']:
     """Plain causal forward over ``token_ids`` from an empty cache; float32 logits."""
     token_ids = jnp.asarray(token_ids)
     check_token_ids(token_ids, self.cfg.vocab_size)

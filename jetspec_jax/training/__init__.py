@@ -1,19 +1,20 @@
-"""Draft-head training by self-distillation (spec §C)."""
+"""Training: draft heads by self-distillation (spec §C) and the small target LM, on one loop."""
 
-from jetspec_jax.training.train import (
+from jetspec_jax.training.head_trainer import (
   StepSettings,
-  TrainState,
   fit,
-  make_optimizer,
   make_train_step,
   train_and_evaluate,
 )
+from jetspec_jax.training.loop import TrainState, init_state, make_optimizer, train_loop
 
 __all__ = [
   'StepSettings',
   'TrainState',
   'fit',
+  'init_state',
   'make_optimizer',
   'make_train_step',
   'train_and_evaluate',
+  'train_loop',
 ]

@@ -37,13 +37,13 @@ class Blocks(NamedTuple):
     context_mask: ``bool[A, bs, L]`` context positions each query sees (``j < a``).
   """
 
-  anchors: Int[Array, ' A']
-  keep: Bool[Array, ' A']
-  tokens: Int[Array, 'A T']
-  positions: Int[Array, 'A T']
-  targets: Int[Array, 'A T']
-  valid: Bool[Array, 'A T']
-  context_mask: Bool[Array, 'A T L']
+  anchors: Int[Array, ' anchors']
+  keep: Bool[Array, ' anchors']
+  tokens: Int[Array, 'anchors T']
+  positions: Int[Array, 'anchors T']
+  targets: Int[Array, 'anchors T']
+  valid: Bool[Array, 'anchors T']
+  context_mask: Bool[Array, 'anchors T L']
 
 
 def valid_anchor_positions(loss_mask: Array, length: Array) -> Bool[Array, ' L']:

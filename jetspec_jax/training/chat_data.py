@@ -31,7 +31,7 @@ def tokenizer_for(target_config):
   SmolLM2's (``preset='smollm2_135m_instruct'``)."""
   if target_config.get('path'):
     return tokenizer_lib.load_tokenizer(target_config.path)
-  return tokenizer_lib.load_tokenizer(gguf_io.smollm2_135m_instruct_path())
+  return tokenizer_lib.load_tokenizer(gguf_io.resolve_model_path(target_config.preset))
 
 
 def eval_chat_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:

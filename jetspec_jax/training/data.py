@@ -18,7 +18,9 @@ import numpy as np
 from tqdm import tqdm
 
 from jetspec_jax import corpus, decoding
+from jetspec_jax import prompts as prompts_lib
 from jetspec_jax.models import qwen3
+from jetspec_jax.tokenizer import Tokenizer
 
 SHARD_PATTERN = 'shard_{:05d}.npz'
 
@@ -57,9 +59,6 @@ def prompts_from_config(data_config, vocab_size: int) -> list[np.ndarray]:
   * otherwise a JSON-lines path (see :func:`read_prompts_jsonl`).
   """
   if data_config.prompts == 'stdlib_functions':
-    from jetspec_jax import prompts as prompts_lib
-    from jetspec_jax.tokenizer import Tokenizer
-
     train_files, _ = corpus.stdlib_files(tuple(data_config.validation_modules))
     texts = prompts_lib.function_prompts(train_files)
     rng = np.random.default_rng(data_config.prompt_seed)
@@ -220,9 +219,21 @@ class TokenShards:
   zero-padded) and ``feature_taps`` names the tapped layers they were collected with.
   """
 
-  def __init__(self, data_dir: str | os.PathLike, max_len: int | None = None):
+  def __init__(
+    self,
+    data_dir: str | os.PathLike,
+    max_len: int | None = None,
+    shards_per_dir: int | None = None,
+  ):
+    """``shards_per_dir`` keeps only the first that many shards of each directory (a fixed
+    prefix of data that is still being generated)."""
     paths = sorted(pathlib.Path(data_dir).rglob('shard_*.npz'))  # subdirectories too
     paths = [p for p in paths if not p.name.endswith('.tmp.npz')]
+    if shards_per_dir is not None:
+      rank = {}
+      for p in paths:  # sorted, so each directory's shards come in order
+        rank[p] = sum(q.parent == p.parent for q in rank)
+      paths = [p for p in paths if rank[p] < shards_per_dir]
     if not paths:
       raise FileNotFoundError(f'no shard_*.npz files in {data_dir}')
     loaded = [np.load(p) for p in paths]

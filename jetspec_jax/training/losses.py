@@ -25,7 +25,8 @@ class LossSums(NamedTuple):
   Attributes:
     loss: sum of weighted per-slot losses.
     weight: sum of weights of active slots.
-    correct: ``[bs]`` per-depth count of head argmax == target argmax.
+    correct: ``[bs]`` per-depth count of head argmax == target argmax (``'fkl'``) or == the
+      data's token (``'ce'``; the same for greedy data, where the data is the target's argmax).
     count: ``[bs]`` per-depth count of active slots.
     accepted: sum over blocks of the leading run of correct slots (chain acceptance).
     blocks: number of real blocks.
@@ -51,6 +52,7 @@ def block_losses(
   loss: str = 'fkl',
   temperature: float = 1.0,
   chunk: int = 64,
+  remat: bool = True,
 ) -> LossSums:
   """Loss sums for ``A`` blocks of one sequence.
 
@@ -65,6 +67,8 @@ def block_losses(
     loss: ``'fkl'`` or ``'ce'``.
     temperature: distillation temperature (``'fkl'``).
     chunk: anchors per chunk (rounded down to a divisor of ``A``).
+    remat: recompute each chunk's logits in the backward pass instead of keeping them (bounds
+      accelerator memory; on a CPU with room to spare, ``False`` skips the recomputation).
   """
   if loss not in LOSSES:
     raise ValueError(f'loss must be one of {LOSSES}, got {loss!r}')
@@ -74,16 +78,18 @@ def block_losses(
   def one_chunk(carry, xs):
     hh, th, tgt, vld = xs
     zq = lm_head(hh).astype(jnp.float32)
-    zp = jax.lax.stop_gradient(lm_head(th).astype(jnp.float32))
     if loss == 'fkl':
+      zp = jax.lax.stop_gradient(lm_head(th).astype(jnp.float32))
       log_q = jax.nn.log_softmax(zq / temperature, axis=-1)
       log_p = jax.nn.log_softmax(zp / temperature, axis=-1)
       per_slot = temperature**2 * jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
-    else:
+      label = jnp.argmax(zp, -1)
+    else:  # no teacher logits: the label is the data's token
       log_q = jax.nn.log_softmax(zq, axis=-1)
       per_slot = -jnp.take_along_axis(log_q, tgt[..., None], axis=-1)[..., 0]
+      label = tgt
     w = jnp.where(vld, weights[None, :], 0.0)
-    correct = (jnp.argmax(zq, -1) == jnp.argmax(zp, -1)) & vld
+    correct = (jnp.argmax(zq, -1) == label) & vld
     run = jnp.sum(jnp.cumprod(correct[:, 1:], axis=1), axis=1)  # leading correct slots
     out = (jnp.sum(w * per_slot), jnp.sum(w), jnp.sum(correct, 0), jnp.sum(vld, 0), jnp.sum(run))
     return jax.tree.map(jnp.add, carry, out), None
@@ -100,6 +106,6 @@ def block_losses(
   )
   xs = tuple(map(split, (head_hidden, teacher_hidden, targets, valid)))
   (loss_sum, weight_sum, correct, count, accepted), _ = jax.lax.scan(
-    jax.checkpoint(one_chunk), init, xs
+    jax.checkpoint(one_chunk) if remat else one_chunk, init, xs
   )
   return LossSums(loss_sum, weight_sum, correct, count, accepted, jnp.sum(keep))

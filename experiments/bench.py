@@ -1,0 +1,201 @@
+"""What every benchmark binary and the demo share: settings, measuring, summaries, the result
+envelope, writers, timing.
+
+A :class:`Setting` names one way to decode (AR is a setting like any other). :func:`measure`
+decodes a list of prompts with it after a compile warm-up; :func:`summarize` turns the outputs into
+tau / tokens per second / speedup; :func:`check_lossless` compares greedy outputs with AR's;
+:func:`envelope` is the part of every result file that says where and with what it was measured;
+:func:`write_result` writes the JSON and its markdown table.
+"""
+
+import dataclasses
+import json
+import pathlib
+import platform
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+import jetspec_jax as js
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """One way to decode: ``method`` ``'ar' | 'chain' | 'tree'``, the head's name, tree shape."""
+
+  method: str = 'ar'
+  head: str | None = None
+  budget: int | None = None
+  algorithm: str | None = None
+  width: int = 7
+
+  def __post_init__(self):
+    if self.method not in js.decoding.METHODS:
+      raise ValueError(f'method must be one of {js.decoding.METHODS}, got {self.method!r}')
+    if (self.method == 'ar') != (self.head is None):
+      raise ValueError(f'{self.method!r} takes {"no" if self.method == "ar" else "a"} head')
+    if self.method == 'tree' and not self.budget:
+      raise ValueError('a tree setting needs a budget')
+
+  @property
+  def name(self) -> str:
+    if self.method == 'ar':
+      return 'ar'
+    if self.method == 'chain':
+      return f'chain/{self.head}'
+    return f'tree/{self.head}/{self.algorithm or "accum_logp"}/{self.budget}'
+
+  def generate_kwargs(self) -> dict:
+    if self.method != 'tree':
+      return dict(method=self.method)
+    return dict(
+      method='tree',
+      budget=self.budget,
+      width=self.width,
+      tree_algorithm=self.algorithm or 'accum_logp',
+    )
+
+  def row(self) -> dict:
+    return dict(
+      setting=self.name,
+      method=self.method,
+      head=self.head,
+      budget=self.budget,
+      algorithm=self.algorithm,
+    )
+
+
+def head_settings(
+  heads: Sequence[str], budgets: Sequence[int], algorithms: Sequence[str], width: int = 7
+) -> list[Setting]:
+  """AR, then for every head its chain and its trees (every algorithm and budget)."""
+  out = [Setting()]
+  for head in heads:
+    out.append(Setting('chain', head))
+    for algorithm in algorithms:
+      out += [Setting('tree', head, budget, algorithm, width) for budget in budgets]
+  return out
+
+
+def measure(
+  target,
+  heads: dict,
+  setting: Setting,
+  prompts: Sequence[np.ndarray],
+  *,
+  max_new_tokens: int,
+  temperature: float = 0.0,
+  shapes: dict | None = None,
+  eos_id=None,
+  warmup: bool = True,
+) -> list:
+  """``js.generate`` outputs for every prompt (seed = prompt index), after a compile warm-up."""
+
+  def decode(prompt, seed):
+    return js.generate(
+      target,
+      heads[setting.head] if setting.head else None,
+      prompt,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      seed=seed,
+      eos_id=eos_id,
+      **(shapes or {}),
+      **setting.generate_kwargs(),
+    )
+
+  if warmup:
+    decode(prompts[0], 0)
+  return [decode(p, i) for i, p in enumerate(prompts)]
+
+
+def tau_histogram(taus: np.ndarray, max_tau: int = 16) -> list[int]:
+  """``counts[k]``: rounds that committed ``k`` tokens, ``k = 0 .. max(max_tau, taus.max())``."""
+  return np.bincount(np.asarray(taus, int), minlength=max_tau + 1).tolist()
+
+
+def summarize(outputs: Sequence, ar_wall_s: float | None = None) -> dict:
+  """tau (mean tokens per round), tokens/s, wall seconds, tokens, speedup over ``ar_wall_s``."""
+  wall = sum(o.stats.wall_s for o in outputs)
+  tokens = sum(int(o.stats.new_tokens) for o in outputs)
+  taus = np.concatenate([o.stats.tau for o in outputs])
+  summary = dict(
+    tau=float(taus.mean()),
+    tps=tokens / wall,
+    wall_s=wall,
+    tokens=tokens,
+    tau_histogram=tau_histogram(taus),
+  )
+  if ar_wall_s is not None:
+    summary['speedup'] = ar_wall_s / wall
+  return summary
+
+
+def check_lossless(name: str, outputs: Sequence, ar_outputs: Sequence) -> None:
+  """Raises unless every greedy output equals AR's token for token."""
+  for i, (a, b) in enumerate(zip(outputs, ar_outputs, strict=True)):
+    if not np.array_equal(a.tokens, b.tokens):
+      raise AssertionError(f'{name} differs from ar on prompt {i}: not lossless')
+
+
+def envelope(config) -> dict:
+  """Where and with what a result was measured (the head of every result file)."""
+  return dict(
+    config=config.to_dict() if hasattr(config, 'to_dict') else dict(config),
+    device=jax.devices()[0].device_kind,
+    backend=jax.default_backend(),
+    versions=dict(jax=jax.__version__, python=platform.python_version(), jetspec=js.__version__),
+  )
+
+
+def device_tag() -> str:
+  return jax.devices()[0].device_kind.replace(' ', '_').lower()
+
+
+def markdown(columns: Sequence[tuple[str, str]], rows: Sequence[dict]) -> str:
+  """A markdown table: ``columns`` are ``(header, format)`` with format ``'{key:spec}'``."""
+  lines = ['| ' + ' | '.join(h for h, _ in columns) + ' |', '|' + '---|' * len(columns)]
+  lines += ['| ' + ' | '.join(fmt.format(**r) for _, fmt in columns) + ' |' for r in rows]
+  return '\n'.join(lines) + '\n'
+
+
+def write_result(result: dict, out_dir, name: str, table: str) -> pathlib.Path:
+  """``out_dir/name.json`` and ``out_dir/name.md``; returns the JSON path."""
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / f'{name}.json').write_text(json.dumps(result, indent=2))
+  (out / f'{name}.md').write_text(table)
+  return out / f'{name}.json'
+
+
+def median_time(fn: Callable, *args, repeats: int) -> float:
+  """Median wall seconds of ``fn(*args)`` after one warm-up call, synchronised every call."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def median_time_carried(fn: Callable, state, *args, repeats: int):
+  """Median wall seconds of ``out, state = fn(state, *args)`` with ``state`` donated.
+
+  Each call gets the state the previous one returned, as a decode loop carries its cache, so a
+  step that updates a large buffer in place is not charged for copying it.
+
+  Returns:
+    (median seconds, the last state): the donated input is gone, the caller goes on with this.
+  """
+  out, state = fn(state, *args)
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out, state = fn(state, *args)
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - start)
+  return float(np.median(times)), state

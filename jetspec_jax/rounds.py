@@ -1,0 +1,341 @@
+"""The device side of generation: prefill, the AR loop, the speculative round and its loop.
+
+Every method runs its whole decode in one jitted function: prefill, then ``lax.while_loop`` over
+steps (AR) or speculative rounds, with no host sync until the end (DESIGN.md §2, "the decode
+loop"). A speculative round is one function of a named :class:`RoundState`;
+:func:`speculative_round` is the only round (``generate``, the trace in notebooks and the
+benchmarks all run it), so a new method is one new round function (or head kind) plugged into the
+same loop. The host side (validation, padding, outputs) is :mod:`jetspec_jax.decoding`.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax import tree as tree_lib
+from jetspec_jax import verify as verify_lib
+from jetspec_jax.kv_cache import KVCache
+from jetspec_jax.models import draft_head as draft_head_lib
+from jetspec_jax.models import qwen3
+from jetspec_jax.typing import Array, Int
+
+PREFILL_CHUNK = 2048
+
+
+def prefill(
+  target: qwen3.Target,
+  prompts,
+  prompt_lens,
+  capacity: int,
+  taps=(),
+  with_hidden: bool = False,
+  chunk: int = PREFILL_CHUNK,
+):
+  """Runs the target over right-padded prompts ``int32[B, Pb]`` of true lengths ``prompt_lens``.
+
+  Padding rows are written to slot ``capacity`` (dropped), so each cache row holds exactly its
+  prompt (``lengths = prompt_lens``); causal by slot, and padding comes after every real row.
+  Prompts longer than ``chunk`` run ``chunk`` tokens at a time (``lax.scan``; each chunk attends
+  causally to itself and to the chunks before it), so activations stay linear in ``chunk``.
+
+  Returns:
+    (cache, last_logits ``[B, V]`` float32, taps ``[B, Pb, n_taps*D]`` or None); with
+    ``with_hidden`` the taps are followed by the final-normed hidden states on the feature axis.
+  """
+  b, pb = prompts.shape
+  cache = target.make_cache(b, capacity)
+  size = chunk if pb > chunk and pb % chunk == 0 else pb
+  last_row = (prompt_lens - 1)[:, None, None]
+
+  def run_chunk(cache, start):
+    tokens = jax.lax.dynamic_slice_in_dim(prompts, start, size, axis=1)
+    positions = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32)[None], (b, size))
+    slots = jnp.where(positions < prompt_lens[:, None], positions, capacity)
+    mask = qwen3.TailMask(jnp.full((b,), start, jnp.int32)) if size < pb else None
+    out = target.forward(tokens, cache, positions=positions, slots=slots, mask=mask, taps=taps)
+    row = jnp.clip(last_row - start, 0, size - 1)
+    last = jnp.take_along_axis(out.hidden, row, axis=1)[:, 0]
+    features = with_features(out) if with_hidden else out.taps
+    return out.cache, (last, features)
+
+  starts = jnp.arange(0, pb, size, dtype=jnp.int32)
+  cache, (lasts, features) = jax.lax.scan(run_chunk, cache, starts)
+  owner = (prompt_lens - 1) // size  # the chunk that holds each prompt's last token
+  last = jnp.take_along_axis(lasts, owner[None, :, None], axis=0)[0]
+  if features is not None:
+    features = jnp.moveaxis(features, 0, 1).reshape(b, pb, -1)
+  return cache, target.lm_logits(last).astype(jnp.float32), features
+
+
+def with_features(out: qwen3.ForwardOutput):
+  """``[taps | hidden]``: what a head reads and what its teacher's logits come from."""
+  return jnp.concatenate([out.taps, out.hidden.astype(out.taps.dtype)], axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """Static sampling settings (``temperature == 0`` is greedy)."""
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  eos: tuple[int, ...] = ()  # stop ids
+
+  def sample(self, logits, key):
+    return verify_lib.sample_tokens(logits, key, self.temperature, self.top_k, self.top_p)
+
+  def is_eos(self, tokens):
+    hit = jnp.zeros(tokens.shape, bool)
+    for stop in self.eos:
+      hit = hit | (tokens == stop)
+    return hit
+
+
+@functools.partial(
+  jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling', 'feature_taps')
+)
+def ar_loop(
+  target,
+  prompts,
+  prompt_lens,
+  key,
+  *,
+  capacity,
+  max_new_tokens,
+  sampling: Sampling,
+  feature_taps: tuple[int, ...] = (),
+):
+  """Batched autoregressive decoding on device.
+
+  Args:
+    prompts: ``int32[B, Pb]`` right-padded prompts.
+    prompt_lens: ``int32[B]`` true lengths.
+    feature_taps: if given, also collect each fed token's features (taps of these layers, then
+      the final-normed hidden state), as training data for heads (no extra target pass).
+
+  Returns:
+    (tokens ``int32[B, max_new_tokens]``, counts ``int32[B]``, features): sequence ``b``
+    generated ``counts[b]`` tokens (EOS included); it stops at EOS while the others go on.
+    ``features`` is None, or ``(prompt_features [B, Pb, F], new_features [B, max_new_tokens, F])``
+    where ``new_features[:, i]`` belongs to generated token ``i`` (the last one is never fed).
+  """
+  b = prompts.shape[0]
+  collect = bool(feature_taps)
+  cache, last_logits, prompt_features = prefill(
+    target, prompts, prompt_lens, capacity, taps=feature_taps, with_hidden=collect
+  )
+  key, sub = jax.random.split(key)
+  first = sampling.sample(last_logits, sub)
+  out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
+  counts = jnp.ones((b,), jnp.int32)
+  width = prompt_features.shape[-1] if collect else 0
+  feats = jnp.zeros((b, max_new_tokens if collect else 0, width), target.dtype)
+
+  def cond(state):
+    i, _, done, *_ = state
+    return (i < max_new_tokens) & ~jnp.all(done)
+
+  def body(state):
+    i, tok, done, counts, cache, out, feats, key = state
+    step = target.forward(tok[:, None], cache, taps=feature_taps)
+    if collect:
+      feats = feats.at[:, i - 1].set(with_features(step)[:, 0])
+    logits = target.lm_logits(step.hidden[:, 0]).astype(jnp.float32)
+    key, sub = jax.random.split(key)
+    nxt = sampling.sample(logits, sub)
+    out = out.at[:, i].set(jnp.where(done, 0, nxt))
+    counts = counts + (~done).astype(jnp.int32)
+    done = done | sampling.is_eos(nxt)
+    return i + 1, nxt, done, counts, step.cache, out, feats, key
+
+  done = sampling.is_eos(first)
+  init = (jnp.int32(1), first, done, counts, cache, out, feats, key)
+  _, _, _, counts, _, out, feats, _ = jax.lax.while_loop(cond, body, init)
+  return out, counts, ((prompt_features, feats) if collect else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSettings:
+  """Static tree shape: ``budget`` nodes (root included), ``width`` candidates per depth."""
+
+  budget: int
+  width: int
+  algorithm: str = 'accum_logp'
+
+
+@flax.struct.dataclass
+class RoundState:
+  """What a speculative round carries to the next, for ``B`` sequences.
+
+  Attributes:
+    cache: the target's KV cache; ``cache.lengths[b]`` = committed tokens ``P`` of row ``b``.
+    draft_cache: the head's context cache (features of committed tokens it has read).
+    pending: ``[B, bs, F]`` features of last round's accepted path, not yet in ``draft_cache``.
+    num_pending: ``int32[B]`` valid rows of ``pending``.
+    anchor: ``int32[B]`` committed token ``P`` (the last one; the target has not read it yet).
+    key: PRNG key.
+  """
+
+  cache: KVCache
+  draft_cache: KVCache
+  pending: Array
+  num_pending: Array
+  anchor: Array
+  key: jax.Array
+
+
+@flax.struct.dataclass
+class RoundOutput:
+  """What one round did (the loop keeps ``committed`` and ``tau``; a trace keeps everything).
+
+  Attributes:
+    committed: ``int32[B, bs]`` accepted drafts then the target's bonus token; the first ``tau``
+      are valid.
+    tau: ``int32[B]`` tokens committed this round (accepted + 1).
+    tree: the drafted trees (``[B, M]`` leaves).
+    ancestors: ``bool[B, M, M]`` ancestor-or-self masks.
+    choices: ``int32[B, M]`` the target's token at every node (what acceptance compared).
+    path: ``int32[B, D + 1]`` accepted node indices, root first (valid to ``tau``).
+    draft_logits: ``[B, D, V]`` the head's per-depth logits.
+  """
+
+  committed: Array
+  tau: Array
+  tree: tree_lib.Tree
+  ancestors: Array
+  choices: Array
+  path: Array
+  draft_logits: Array
+
+
+Choose = Callable[[tree_lib.Tree, Array, jax.Array], Array]
+
+
+def start_rounds(
+  target: qwen3.Target,
+  head: draft_head_lib.DraftHead,
+  prompts: Int[Array, 'B P'],
+  prompt_lens: Int[Array, ' B'],
+  key,
+  *,
+  capacity: int,
+  sampling: Sampling,
+) -> RoundState:
+  """Prefill the target, read the prompt's features into the head, sample the first token."""
+  b, bs = prompts.shape[0], head.cfg.block_size
+  cache, last_logits, features = prefill(
+    target, prompts, prompt_lens, capacity, taps=head.cfg.target_layer_ids
+  )
+  draft_cache = head.extend_context(head.make_cache(b, capacity), features, prompt_lens)
+  key, sub = jax.random.split(key)
+  anchor = sampling.sample(last_logits, sub)  # [B]
+  pending = jnp.zeros((b, bs, features.shape[-1]), features.dtype)
+  return RoundState(cache, draft_cache, pending, jnp.zeros((b,), jnp.int32), anchor, key)
+
+
+def speculative_round(
+  target: qwen3.Target,
+  head: draft_head_lib.DraftHead,
+  state: RoundState,
+  sampling: Sampling,
+  tree_settings: TreeSettings,
+  choose: Choose | None = None,
+) -> tuple[RoundState, RoundOutput]:
+  """One JetSpec round: draft -> tree -> verify -> accept -> commit (DESIGN.md §5).
+
+  ``choose(tree, logits, key) -> int32[B, M]`` gives the target's token at every node; by default
+  it samples the verified logits with ``sampling`` (greedy: argmax). Anything else (a benchmark
+  forcing a fixed acceptance) is passed in, never built into the round.
+  """
+  max_depth = head.cfg.max_depth
+  draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
+  draft_logits = head.propose_cached(target, draft_cache, state.anchor)  # [B, depth, V]
+  ids, logprobs = tree_lib.topk_per_depth(draft_logits, tree_settings.width)
+  builder = functools.partial(
+    tree_lib.TREE_BUILDERS[tree_settings.algorithm], budget=tree_settings.budget
+  )
+  tree = jax.vmap(lambda i, lp, a: builder(i, lp, anchor=a))(ids, logprobs, state.anchor)
+  anc = jax.vmap(lambda p: tree_lib.ancestor_mask(p, max_depth))(tree.parents)
+  verified = verify_lib.verify_tree(target, state.cache, tree, anc, head.cfg.target_layer_ids)
+  key, sub = jax.random.split(state.key)
+  if choose is None:
+    choices = sampling.sample(verified.logits, sub)  # [B, M]
+  else:
+    choices = choose(tree, verified.logits, sub)
+  accepted = verify_lib.accept(tree, anc, choices, max_depth)
+  bonus = jnp.maximum(accepted.bonus, 0)  # a chooser may mark "no token" with -1
+  cache = verify_lib.commit(verified.cache, state.cache.lengths, accepted._replace(bonus=bonus))
+  pending = verify_lib.gather_path(verified.features, accepted.path)
+  path_tokens = jnp.take_along_axis(tree.tokens, accepted.path, axis=1)  # [B, D+1], root first
+  committed = jnp.concatenate([path_tokens[:, 1:], jnp.zeros_like(bonus)[:, None]], axis=1)
+  rows = jnp.arange(bonus.shape[0])
+  committed = committed.at[rows, accepted.num_accepted].set(bonus)
+  tau = accepted.num_accepted + 1
+  new_state = RoundState(cache, draft_cache, pending, tau, bonus, key)
+  out = RoundOutput(committed, tau, tree, anc, choices, accepted.path, draft_logits)
+  return new_state, out
+
+
+@functools.partial(
+  jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling', 'tree_settings')
+)
+def speculative_loop(
+  target,
+  head,
+  prompts,
+  prompt_lens,
+  key,
+  *,
+  capacity: int,
+  max_new_tokens: int,
+  sampling: Sampling,
+  tree_settings: TreeSettings,
+):
+  """Speculative decoding of ``B`` sequences on device: prefill, then rounds in a while loop.
+
+  Every sequence drafts and verifies its own tree in the same round, accepts its own number of
+  tokens, and keeps its own cache length and head context; a sequence that reached EOS or
+  ``max_new_tokens`` stops recording (its rows still compute, harmlessly) until all are done.
+
+  Args:
+    prompts: ``int32[B, Pb]`` right-padded prompts; ``prompt_lens``: ``int32[B]``.
+
+  Returns:
+    (tokens ``[B, max_new_tokens + block_size]``, counts ``[B]``, tau per round
+    ``[B, max_new_tokens]``, rounds ``[B]``). Tokens past ``counts`` are scratch.
+  """
+  b, bs = prompts.shape[0], head.cfg.block_size
+  state = start_rounds(
+    target, head, prompts, prompt_lens, key, capacity=capacity, sampling=sampling
+  )
+  out = jnp.zeros((b, max_new_tokens + bs), jnp.int32).at[:, 0].set(state.anchor)
+  taus = jnp.zeros((b, max_new_tokens), jnp.int32)
+  rows = jnp.arange(b)
+
+  def active(n, done):
+    return (n < max_new_tokens) & ~done
+
+  def cond(carry):
+    n, _, done, *_ = carry
+    return jnp.any(active(n, done))
+
+  def body(carry):
+    n, rounds, done, out, taus, state = carry
+    live = active(n, done)
+    state, step = speculative_round(target, head, state, sampling, tree_settings)
+    committed, tau = step.committed, step.tau
+    written = jax.vmap(lambda o, c, i: jax.lax.dynamic_update_slice(o, c, (i,)))(out, committed, n)
+    out = jnp.where(live[:, None], written, out)
+    hit = jnp.any(sampling.is_eos(committed) & (jnp.arange(bs)[None] < tau[:, None]), axis=1)
+    taus = taus.at[rows, rounds].set(jnp.where(live, tau, taus[rows, rounds]), mode='drop')
+    live_i = live.astype(jnp.int32)
+    return n + live_i * tau, rounds + live_i, done | (live & hit), out, taus, state
+
+  n0 = jnp.ones((b,), jnp.int32)
+  init = (n0, jnp.zeros((b,), jnp.int32), sampling.is_eos(state.anchor), out, taus, state)
+  n, rounds, _, out, taus, _ = jax.lax.while_loop(cond, body, init)
+  return out, n, taus, rounds

@@ -1,0 +1,169 @@
+"""The one host training loop (draft heads and target LMs): state, optimizer, resume, guard, log.
+
+``train_loop`` resumes from the latest checkpoint in ``workdir`` if there is one (else it starts
+from the state it is given: ``init_from`` weights or a seeded init, the caller's choice), runs
+``step_fn(state, batch_of(step), step) -> (state, metrics)`` to ``steps``, stops on the first
+non-finite loss (checked every step), writes metrics as JSON lines and TensorBoard events at
+log steps, and saves Orbax checkpoints (params, optimizer state and step; the data position of a
+resumed run is its step, since ``batch_of`` is a pure function of it).
+"""
+
+import json
+import math
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from tensorboardX import SummaryWriter
+
+from jetspec_jax.training import checkpoint as ckpt
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+  def to_dict(self) -> dict:
+    return dict(step=self.step, params=self.params, opt_state=self.opt_state)
+
+
+def make_optimizer(
+  *,
+  lr: float,
+  steps: int,
+  warmup_steps: int,
+  weight_decay: float = 0.0,
+  grad_clip: float = 1.0,
+  final_lr_ratio: float = 0.0,
+):
+  """AdamW with linear warmup + cosine decay and global-norm clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=lr,
+    warmup_steps=max(1, warmup_steps),
+    decay_steps=max(steps, warmup_steps + 1),
+    end_value=lr * final_lr_ratio,
+  )
+  return optax.chain(
+    optax.clip_by_global_norm(grad_clip), optax.adamw(schedule, weight_decay=weight_decay)
+  )
+
+
+def init_state(params, optimizer) -> TrainState:
+  return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params))
+
+
+class MetricWriter:
+  """Metrics to ``workdir/metrics.jsonl`` and TensorBoard event files; vectors become
+  ``name/depth{i+1}`` scalars."""
+
+  def __init__(self, workdir: pathlib.Path):
+    self._jsonl = open(workdir / 'metrics.jsonl', 'a')
+    self._tb = SummaryWriter(str(workdir / 'tensorboard'))
+
+  def write(self, step: int, metrics: dict) -> None:
+    flat = {}
+    for name, value in metrics.items():
+      value = np.asarray(value)
+      if value.ndim == 0:
+        flat[name] = float(value)
+      else:
+        flat.update({f'{name}/depth{i + 1}': float(v) for i, v in enumerate(value)})
+    for name, value in flat.items():
+      self._tb.add_scalar(name, value, step)
+    self._jsonl.write(json.dumps({'step': step, **flat}) + '\n')
+    self._jsonl.flush()
+
+  def close(self):
+    self._jsonl.close()
+    self._tb.close()
+
+
+def train_loop(
+  step_fn: Callable,
+  state: TrainState,
+  batch_of: Callable[[int], Any],
+  workdir: str | pathlib.Path,
+  *,
+  steps: int,
+  log_every: int = 10,
+  checkpoint_every: int = 100,
+  stop_after: int | None = None,
+  tokens_of: Callable[[Any], int] | None = None,
+  evaluate: Callable[[Any], dict] | None = None,
+  eval_every: int = 0,
+  max_to_keep: int = 3,
+) -> tuple[TrainState, list[dict]]:
+  """Runs ``step_fn`` from the resumed (or given) state to ``steps``.
+
+  Args:
+    step_fn: ``(state, batch, step) -> (state, metrics)`` with ``metrics['loss']`` a scalar.
+    state: the starting state if ``workdir`` holds no checkpoint (its structure is the restore
+      target otherwise).
+    batch_of: the batch of a step (pure in the step).
+    workdir: checkpoints, ``metrics.jsonl`` and TensorBoard events go here.
+    steps: total steps of the run.
+    log_every: steps between metric records (and the last step).
+    checkpoint_every: steps between checkpoints (and the last step).
+    stop_after: end the run early at that step, after checkpointing it (kill/resume tests).
+    tokens_of: tokens in a batch (logged as ``tokens_per_s``).
+    evaluate: ``params -> metrics`` added to a log record every ``eval_every`` steps (and last).
+    eval_every: see ``evaluate`` (0: only at the last step).
+    max_to_keep: checkpoints kept.
+
+  Returns:
+    (final state, the logged records).
+
+  Raises:
+    FloatingPointError: a non-finite loss (at the step it appeared; the last checkpoint is
+      intact).
+  """
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  mngr = ckpt.manager(workdir, max_to_keep=max_to_keep)
+  restored = ckpt.restore_latest(mngr, ckpt.abstract_like(state.to_dict()))
+  if restored is not None:
+    state = TrainState(**restored)
+  writer = MetricWriter(workdir)
+  history = []
+  last = min(steps, stop_after) if stop_after is not None else steps
+  tick, tokens = time.perf_counter(), 0
+  try:
+    for step in range(int(state.step), last):
+      batch = batch_of(step)
+      state, metrics = step_fn(state, batch, step)
+      metrics = jax.device_get(metrics)  # syncs every step (safe with many devices)
+      if not math.isfinite(float(metrics['loss'])):
+        raise FloatingPointError(f'non-finite loss {metrics["loss"]} at step {step}')
+      tokens += tokens_of(batch) if tokens_of else 0
+      done = step + 1
+      if done % log_every == 0 or done == last:
+        elapsed = time.perf_counter() - tick
+        record = dict(metrics)
+        if tokens_of:
+          record['tokens_per_s'] = tokens / max(elapsed, 1e-9)
+        if evaluate is not None and (done == steps or (eval_every and done % eval_every == 0)):
+          record.update(evaluate(state.params))
+        writer.write(done, record)
+        history.append({'step': done, **jax.tree.map(np.asarray, record)})
+        logging.info(
+          'step %d %s',
+          done,
+          ' '.join(f'{k} {float(v):.4g}' for k, v in record.items() if np.ndim(v) == 0),
+        )
+        tick, tokens = time.perf_counter(), 0
+      if done % checkpoint_every == 0 or done == last:
+        ckpt.save(mngr, done, state.to_dict())
+  finally:
+    writer.close()
+    mngr.close()
+  return state, history
