@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax import tree as tree_lib
 from jetspec_jax.models import qwen3
 from jetspec_jax.models.draft_head import random_draft_head  # noqa: F401  (a shared fixture)
 
@@ -31,8 +32,6 @@ def random_tree(
 
   ``size`` (>= ``num_nodes``) pads the arrays like a budgeted tree.
   """
-  from jetspec_jax import tree as tree_lib
-
   rng = np.random.default_rng(seed)
   size = num_nodes if size is None else size
   if kind == 'chain':

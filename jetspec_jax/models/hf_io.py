@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax import sharding
 from jetspec_jax.models import draft_head, gguf_io, qwen3
 from jetspec_jax.models.checkpoint_files import (  # noqa: F401  (re-exported)
   INDEX_FILE,
@@ -411,8 +412,6 @@ def load_target(
   cfg = config_from_hf(read_config(path))
   params = params_from_hf(read_tensors(path), cfg, dtype)
   if mesh is not None:
-    from jetspec_jax import sharding
-
     params = sharding.shard_params(params, mesh)
   return qwen3.Target(cfg=cfg, params=params, attn_impl=attn_impl)
 
