@@ -30,14 +30,6 @@ from jetspec_jax import decoding, rounds, sharding, verify
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.models import qwen3
 
-PRESETS = {
-  'smollm2_135m': qwen3.smollm2_135m,
-  'qwen3_8b': qwen3.qwen3_8b,
-  'qwen3_30b_a3b': qwen3.qwen3_30b_a3b,
-  'qwen3_0_6b': qwen3.qwen3_0_6b,
-  'tiny': qwen3.tiny,
-}
-
 
 def copy_bandwidth(num_bytes: int, repeats: int) -> float:
   """Bytes per second of a device copy (read + write counted)."""
@@ -92,7 +84,7 @@ def forced_choices(tree: js.tree.Tree, accept_length: int):
 
 def run(config, workdir: str) -> dict:
   dtype = jnp.dtype(config.dtype)
-  cfg = PRESETS[config.preset]()
+  cfg = qwen3.PRESETS[config.preset]()
   key = jax.random.key(config.seed)
   params = jax.jit(functools.partial(qwen3.init_params, cfg, dtype=dtype))(key)
   target = qwen3.Target(cfg=cfg, params=params)

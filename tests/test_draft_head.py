@@ -163,6 +163,13 @@ def test_loads_released_layout_and_round_trips(target, tmp_path):
   np.testing.assert_array_equal(
     np.asarray(reloaded.propose(target, feats, 3)), np.asarray(head.propose(target, feats, 3))
   )
+  js.save_draft_head(head, tmp_path / 'bf16', dtype=jnp.bfloat16)  # a shipped head
+  assert all(t.dtype == jnp.bfloat16 for t in hf_io.read_tensors(tmp_path / 'bf16').values())
+  small = js.load_draft_head(tmp_path / 'bf16', target)
+  assert small.dtype == target.dtype
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-6), small.params, head.params
+  )
 
 
 def test_head_that_does_not_fit_the_target(target, tmp_path):

@@ -513,10 +513,13 @@ def load_draft_head(
   return draft_head.DraftHead(cfg=cfg, params=params)
 
 
-def save_draft_head(head: draft_head.DraftHead, path: str | os.PathLike) -> None:
-  """Writes ``head`` in the released layout (``fc.weight``, ``layers.{i}.*``, ...)."""
+def save_draft_head(head: draft_head.DraftHead, path: str | os.PathLike, dtype=None) -> None:
+  """Writes ``head`` in the released layout (``fc.weight``, ``layers.{i}.*``, ...), cast to
+  ``dtype`` if given (e.g. ``jnp.bfloat16`` for a shipped head)."""
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
+  if dtype is not None:
+    head = head.replace(params=jax.tree.map(lambda x: x.astype(dtype), head.params))
   params = jax.device_get(head.params)
   tensors = {
     name: to_hf(np.asarray(_get(params, p))) for p, name, _, to_hf in _head_rules(head.cfg)

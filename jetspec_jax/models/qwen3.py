@@ -239,6 +239,18 @@ def tiny_llama(**overrides) -> Qwen3Config:
   return tiny(**{**base, **overrides})
 
 
+# Every named config (real shapes and tiny test models), for binaries and configs to name.
+PRESETS = {
+  'qwen3_0_6b': qwen3_0_6b,
+  'qwen3_8b': qwen3_8b,
+  'qwen3_30b_a3b': qwen3_30b_a3b,
+  'smollm2_135m': smollm2_135m,
+  'tiny': tiny,
+  'tiny_moe': tiny_moe,
+  'tiny_llama': tiny_llama,
+}
+
+
 # Modules.
 
 

@@ -229,10 +229,11 @@ def load_target_from_config(target_config) -> qwen3.Target:
     return hf_io.load_target(target_config.path)
   if target_config.preset in gguf_io.PACKAGED_MODELS:
     return hf_io.load_target(gguf_io.resolve_model_path(target_config.preset))
-  presets = {'tiny': qwen3.tiny, 'tiny_moe': qwen3.tiny_moe}
+  presets = {name: fn for name, fn in qwen3.PRESETS.items() if name.startswith('tiny')}
   if target_config.preset not in presets:
+    known = sorted(presets) + sorted(gguf_io.PACKAGED_MODELS)
     raise ValueError(
-      f'unknown target preset {target_config.preset!r}; give a path or one of {sorted(presets)}'
+      f'unknown target preset {target_config.preset!r}; give a path or one of {known}'
     )
   cfg = presets[target_config.preset](**dict(target_config.get('overrides') or {}))
   params = qwen3.init_params(cfg, jax.random.key(target_config.seed))
