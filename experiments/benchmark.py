@@ -59,13 +59,21 @@ def run(config, workdir: str) -> dict:
   ids = [p for _, p in prompts]
   eos = tok.eos_ids if config.get('stop_at_eos', False) else None
   settings = bench.head_settings(list(heads), config.budgets, config.tree_algorithms, config.width)
+  # At T > 0 a config may run fewer tree algorithms (``sampled_tree_algorithms``).
+  sampled = bench.head_settings(
+    list(heads),
+    config.budgets,
+    config.get('sampled_tree_algorithms') or config.tree_algorithms,
+    config.width,
+  )
   # One shape for every prompt, so each setting compiles once (warm-up) and timings exclude it.
   overhang = max(config.budgets) + max(h.cfg.block_size for h in heads.values())
   shapes = js.decoding.shared_shapes(ids, config.max_new_tokens, overhang)
   rows, per_prompt, ar_tokens = [], [], None
   for temperature in config.temperatures:
+    runs = settings if temperature == 0 else sampled
     outputs = {}
-    for setting in tqdm(settings, desc=f'T={temperature}', unit='setting'):
+    for setting in tqdm(runs, desc=f'T={temperature}', unit='setting'):
       outputs[setting.name] = bench.measure(
         target,
         heads,
@@ -79,7 +87,7 @@ def run(config, workdir: str) -> dict:
     ar = outputs['ar']
     if temperature == 0:
       ar_tokens = [o.tokens for o in ar]
-    for setting in settings:
+    for setting in runs:
       outs = outputs[setting.name]
       if temperature == 0:
         bench.check_lossless(setting.name, outs, ar)

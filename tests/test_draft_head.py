@@ -244,3 +244,25 @@ def test_live_context_attention_equals_dense_and_skips_dead_tiles():
   assert np.isfinite(np.asarray(got)).all()
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
   assert not np.isfinite(np.asarray(dh.context_block_attention(*args))).all()
+
+
+def test_init_from_target_layers_copies_matching_weights(target):
+  head = js.testing.random_draft_head(target, block_size=4, num_layers=2, target_layer_ids=(0, 2))
+  params = js.draft_head.init_from_target_layers(head.params, head.cfg, target.params)
+  last = target.cfg.num_hidden_layers - 1
+  np.testing.assert_array_equal(
+    params['layers_1']['q_proj']['kernel'],
+    target.params[f'layers_{last}']['self_attn']['q_proj']['kernel'],
+  )
+  np.testing.assert_array_equal(
+    params['layers_0']['mlp']['down_proj']['kernel'],
+    target.params[f'layers_{last - 1}']['mlp']['down_proj']['kernel'],
+  )
+  np.testing.assert_array_equal(params['norm']['scale'], target.params['norm']['scale'])
+  d = head.cfg.hidden_size
+  fc = np.asarray(params['fc']['kernel'])
+  np.testing.assert_array_equal(fc[d:], np.eye(d))  # the deepest of the two taps passes through
+  assert not fc[:d].any()
+  assert not np.array_equal(head.params['fc']['kernel'], fc)  # the input is not modified
+  with pytest.raises(ValueError, match='target layer ids'):
+    js.draft_head.init_from_target_layers(head.params, head.cfg, target.params, (0,))

@@ -23,12 +23,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
   )
   config.prompts = 'chat'
-  config.num_per_group = 3
+  config.num_per_group = 2
   config.stop_at_eos = True
-  config.max_new_tokens = 64
+  config.max_new_tokens = 48
   config.width = 7
   config.budgets = (8, 16, 32, 64, 128)
   config.tree_algorithms = ('accum_logp', 'top2gap')
+  config.sampled_tree_algorithms = ('accum_logp',)  # T=1
   config.temperatures = (0.0, 1.0)
   config.peers = ('greedy', 'prompt_lookup')
   config.peer_threads = 2

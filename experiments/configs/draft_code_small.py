@@ -34,6 +34,7 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       target_layer_ids=(1, 3, 4),
       intermediate_size=0,
       mask_token_id=1,  # '<|mask|>' in the embedded tokenizer
+      init_from_target_layers=False,  # start head layers as copies of the target's last layers
     )
   )
   config.data.update(

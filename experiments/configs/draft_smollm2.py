@@ -37,6 +37,7 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       target_layer_ids=(1, 8, 15, 22, 27),
       intermediate_size=0,
       mask_token_id=0,  # '<|endoftext|>': never inside a chat turn, so free to mean MASK
+      init_from_target_layers=False,  # start head layers as copies of the target's last layers
     )
   )
   config.data = ml_collections.ConfigDict(

@@ -25,6 +25,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       target_layer_ids=(0, 2),
       intermediate_size=0,
       mask_token_id=None,
+      init_from_target_layers=False,  # start head layers as copies of the target's last layers
     )
   )
   config.data = ml_collections.ConfigDict(

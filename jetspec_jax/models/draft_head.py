@@ -306,6 +306,45 @@ def init_head_params(cfg: DraftHeadConfig, key, dtype=jnp.float32) -> dict:
   )['params']
 
 
+def init_from_target_layers(
+  params: dict, cfg: DraftHeadConfig, target_params: dict, layer_ids: tuple[int, ...] = ()
+) -> dict:
+  """Head parameters whose layers start as copies of target layers (an option for training).
+
+  Head layer ``i`` takes the weights of target layer ``layer_ids[i]`` (default: the target's
+  last ``num_hidden_layers`` layers) wherever the shapes match (attention, MLP, norms; a Llama
+  target has no q/k norms, so the head keeps its own), the final norm takes the target's, and
+  ``fc`` starts by passing the deepest tap through (identity on its block, zeros elsewhere), so
+  the untrained head reads the deepest tapped hidden state with the target's own last layers.
+  Everything else keeps ``params``.
+  """
+  num_target = sum(k.startswith('layers_') for k in target_params)
+  n = cfg.num_hidden_layers
+  layer_ids = tuple(layer_ids) or tuple(range(num_target - n, num_target))
+  if len(layer_ids) != n or not all(0 <= i < num_target for i in layer_ids):
+    raise ValueError(f'need {n} target layer ids in [0, {num_target}), got {layer_ids}')
+  out = jax.tree.map(lambda x: x, params)  # a shallow copy of every dict level
+
+  def take(dst: dict, src: dict):
+    for name, value in dst.items():
+      if name not in src:
+        continue
+      if isinstance(value, dict):
+        take(value, src[name])
+      elif value.shape == src[name].shape:
+        dst[name] = src[name].astype(value.dtype)
+
+  for i, layer in enumerate(layer_ids):
+    src = dict(target_params[f'layers_{layer}'])
+    src.update(src.pop('self_attn', {}))  # the head's attention weights sit at layer level
+    take(out[f'layers_{i}'], src)
+  take(out['norm'], target_params['norm'])
+  d = cfg.hidden_size
+  kernel = jnp.zeros_like(out['fc']['kernel'])
+  out['fc'] = {'kernel': kernel.at[(cfg.num_taps - 1) * d :, :].set(jnp.eye(d, dtype=kernel.dtype))}
+  return out
+
+
 # Masks.
 
 
