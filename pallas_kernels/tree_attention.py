@@ -38,7 +38,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jaxtyping import Array, Bool, Float, Int
 
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MASK_VALUE = -0.7 * float(
+  np.finfo(np.float32).max
+)  # the one masked-score value (library and kernels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,14 +117,14 @@ def _kernel(
   row_block = pl.program_id(2)
   q = q_ref[...].astype(jnp.float32) * scale  # [rows, H]
   prefix_len = len_ref[()]
-  m = jnp.full((rows,), _MASK_VALUE, jnp.float32)
+  m = jnp.full((rows,), MASK_VALUE, jnp.float32)
   denom = jnp.zeros((rows,), jnp.float32)
   acc = jnp.zeros(q.shape, jnp.float32)
 
   def update(carry, k, v, mask):
     m, denom, acc = carry
     s = jnp.dot(q, k.astype(jnp.float32).T, preferred_element_type=jnp.float32)
-    s = jnp.where(mask, s, _MASK_VALUE)
+    s = jnp.where(mask, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])

@@ -264,5 +264,9 @@ def test_init_from_target_layers_copies_matching_weights(target):
   np.testing.assert_array_equal(fc[d:], np.eye(d))  # the deepest of the two taps passes through
   assert not fc[:d].any()
   assert not np.array_equal(head.params['fc']['kernel'], fc)  # the input is not modified
+  q = params['layers_1']['q_proj']['kernel']
+  assert q.unsafe_buffer_pointer() != (
+    target.params[f'layers_{last}']['self_attn']['q_proj']['kernel'].unsafe_buffer_pointer()
+  )  # a training step donates the head's state: it must not alias the target
   with pytest.raises(ValueError, match='target layer ids'):
     js.draft_head.init_from_target_layers(head.params, head.cfg, target.params, (0,))

@@ -225,11 +225,11 @@ def context_block_attention(
   ctx_values = 'BKGTS,SKH->BTKGH' if shared else 'BKGTS,BSKH->BTKGH'
   pick = (lambda x: x[0]) if shared else (lambda x: x)
   s_blk = jnp.einsum('BTKGH,BPKH->BKGTP', q, blk_k, preferred_element_type=f32)
-  s_blk = jnp.where(blk_mask[None, None, None], s_blk * scale, qwen3._MASK_VALUE)
+  s_blk = jnp.where(blk_mask[None, None, None], s_blk * scale, qwen3.MASK_VALUE)
   capacity = ctx_k.shape[1]
   if not live_context or capacity <= tile or capacity % tile:
     s_ctx = jnp.einsum(ctx_scores, q, pick(ctx_k), preferred_element_type=f32)
-    s_ctx = jnp.where(ctx_mask[:, None, None], s_ctx * scale, qwen3._MASK_VALUE)
+    s_ctx = jnp.where(ctx_mask[:, None, None], s_ctx * scale, qwen3.MASK_VALUE)
     probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
     p_ctx, p_blk = probs[..., : s_ctx.shape[-1]], probs[..., s_ctx.shape[-1] :]
     out = jnp.einsum(ctx_values, p_ctx.astype(ctx_v.dtype), pick(ctx_v))
@@ -252,7 +252,7 @@ def context_block_attention(
     vt = jax.lax.dynamic_slice_in_dim(ctx_v, start, tile, axis=1)
     mask = jax.lax.dynamic_slice_in_dim(ctx_mask, start, tile, axis=2)
     s = jnp.einsum(ctx_scores, q, pick(kt), preferred_element_type=f32)
-    s = jnp.where(mask[:, None, None], s * scale, qwen3._MASK_VALUE)
+    s = jnp.where(mask[:, None, None], s * scale, qwen3.MASK_VALUE)
     pv = lambda p: jnp.einsum(tile_values, p.astype(vt.dtype), pick(vt), preferred_element_type=f32)
     return (*qwen3.online_softmax_step(m, denom, acc, s, pv), ctx_k, ctx_v)
 
@@ -316,7 +316,8 @@ def init_from_target_layers(
   target has no q/k norms, so the head keeps its own), the final norm takes the target's, and
   ``fc`` starts by passing the deepest tap through (identity on its block, zeros elsewhere), so
   the untrained head reads the deepest tapped hidden state with the target's own last layers.
-  Everything else keeps ``params``.
+  Everything else keeps ``params``. The copies are new buffers, so a training step may donate
+  the head's state while it reads the target's weights.
   """
   num_target = sum(k.startswith('layers_') for k in target_params)
   n = cfg.num_hidden_layers
@@ -332,7 +333,7 @@ def init_from_target_layers(
       if isinstance(value, dict):
         take(value, src[name])
       elif value.shape == src[name].shape:
-        dst[name] = src[name].astype(value.dtype)
+        dst[name] = jnp.array(src[name], dtype=value.dtype, copy=True)  # never alias the target
 
   for i, layer in enumerate(layer_ids):
     src = dict(target_params[f'layers_{layer}'])

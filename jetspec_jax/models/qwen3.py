@@ -38,7 +38,7 @@ from jetspec_jax.typing import Array, Bool, Float, Int
 from pallas_kernels import tree_attention as tree_attention_kernel
 
 ATTN_IMPLS = ('xla', 'pallas')
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MASK_VALUE = tree_attention_kernel.MASK_VALUE
 
 
 # Each family's Hugging Face ``architectures`` name (the ``model_type`` is the key).
@@ -407,7 +407,7 @@ def attention_live(
     kt = jax.lax.dynamic_slice_in_dim(k, start, tile, axis=1)
     vt = jax.lax.dynamic_slice_in_dim(v, start, tile, axis=1)
     s = jnp.einsum('BTKGH,BSKH->BKGTS', q, kt, preferred_element_type=f32) * (h**-0.5)
-    s = jnp.where(mask.block(t, start, tile)[:, None, None], s, _MASK_VALUE)
+    s = jnp.where(mask.block(t, start, tile)[:, None, None], s, MASK_VALUE)
     pv = lambda p: jnp.einsum(
       'BKGTS,BSKH->BKGTH', p.astype(vt.dtype), vt, preferred_element_type=f32
     )
@@ -432,7 +432,7 @@ def attention_xla(
   q = q.reshape(b, t, kh, n // kh, h)
   scores = jnp.einsum('BTKGH,BSKH->BKGTS', q, k, preferred_element_type=jnp.float32)
   scores = scores * (h**-0.5)
-  scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+  scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum('BKGTS,BSKH->BTKGH', probs, v)
   return out.reshape(b, t, n, h)
