@@ -115,7 +115,9 @@ def run(config, workdir: str) -> dict:
         )
         for i, ((group, _), out) in enumerate(zip(prompts, outs))
       ]
-  peer_rows = run_peers(config, model_path, prompts, eos, rows, ar_tokens)
+  # The peer stops where ``generate`` stops: the tokenizer's ids, else the config's EOS.
+  peer_eos = js.decoding.stop_ids(eos, target.cfg.eos_token_id)
+  peer_rows = run_peers(config, model_path, prompts, peer_eos, rows, ar_tokens)
   batch_rows = run_batches(config, target, heads, ids, shapes)
   result = dict(
     **bench.envelope(config),
@@ -139,7 +141,7 @@ def run_peers(config, model_path, prompts, eos, rows, ar_tokens) -> list[dict]:
     str(model_path),
     [p for _, p in prompts],
     max_new_tokens=config.max_new_tokens,
-    eos_ids=eos if eos is not None else [js.load_target(model_path).cfg.eos_token_id],
+    eos_ids=eos,
     modes=tuple(config.peers),
     threads=config.get('peer_threads'),
   )

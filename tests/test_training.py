@@ -321,3 +321,15 @@ def test_stored_features_train_like_the_target_pass(target, head_cfg, dataset, t
   params = dh.init_head_params(head_cfg, jax.random.key(0))
   _, computed = step(train_lib.init_state(params, optimizer), no_features, jax.random.key(1))
   np.testing.assert_allclose(float(stored['loss']), float(computed['loss']), rtol=2e-3)
+
+
+def test_token_shards_keep_the_first_shards_of_each_directory(tmp_path):
+  """``shards_per_dir`` pins a prefix of data that is still being generated."""
+  for sub in ('greedy', 'sampled'):
+    (tmp_path / sub).mkdir()
+    for i in range(3):
+      seqs = [np.arange(1, 6) + 10 * i + (100 if sub == 'sampled' else 0)]
+      data_lib.write_shard(tmp_path / sub / data_lib.SHARD_PATTERN.format(i), seqs, [np.ones(5)], 8)
+  assert len(data_lib.TokenShards(tmp_path)) == 6
+  pinned = data_lib.TokenShards(tmp_path, shards_per_dir=2)
+  assert sorted(int(pinned[i]['tokens'][0]) for i in range(len(pinned))) == [1, 11, 101, 111]

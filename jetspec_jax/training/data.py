@@ -7,6 +7,7 @@ written atomically, so generation resumes by skipping finished shards. Training 
 of ``(seed, s)``, so the data position of a resumed run is just its step.
 """
 
+import collections
 import json
 import os
 import pathlib
@@ -230,10 +231,13 @@ class TokenShards:
     paths = sorted(pathlib.Path(data_dir).rglob('shard_*.npz'))  # subdirectories too
     paths = [p for p in paths if not p.name.endswith('.tmp.npz')]
     if shards_per_dir is not None:
-      rank = {}
-      for p in paths:  # sorted, so each directory's shards come in order
-        rank[p] = sum(q.parent == p.parent for q in rank)
-      paths = [p for p in paths if rank[p] < shards_per_dir]
+      taken = collections.Counter()  # paths are sorted: each directory's shards in order
+      kept = []
+      for p in paths:
+        if taken[p.parent] < shards_per_dir:
+          kept.append(p)
+          taken[p.parent] += 1
+      paths = kept
     if not paths:
       raise FileNotFoundError(f'no shard_*.npz files in {data_dir}')
     loaded = [np.load(p) for p in paths]

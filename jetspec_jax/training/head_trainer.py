@@ -286,19 +286,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
     loss_chunk=config.train.loss_chunk,
     remat=config.train.get('remat', True),
   )
-  init_params = None
   if config.train.init_from:
     init_params = hf_io.load_draft_head(config.train.init_from, target).params
-  elif config.head.get('init_from_target_layers'):
-    init_params = dh.init_from_target_layers(
-      dh.init_head_params(head_cfg, jax.random.key(config.seed), target.dtype),
-      head_cfg,
-      target.params,
-    )
-  initial = dh.DraftHead(
-    cfg=head_cfg,
-    params=init_params or dh.init_head_params(head_cfg, jax.random.key(config.seed), target.dtype),
-  )
+  else:
+    init_params = dh.init_head_params(head_cfg, jax.random.key(config.seed), target.dtype)
+    if config.head.get('init_from_target_layers'):
+      init_params = dh.init_from_target_layers(init_params, head_cfg, target.params)
+  initial = dh.DraftHead(cfg=head_cfg, params=init_params)
   eval_prompts = [np.asarray(p) for p in prompts[: config.eval.num_prompts]]
 
   def mean_tau(h):
