@@ -170,6 +170,24 @@ def _kernel(
   o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
 
 
+def check_shapes(q, k_tail, v_tail, k_cache, v_cache, prefix_len, ancestors) -> None:
+  """Raises a ValueError naming the first argument whose shape does not fit the others."""
+  b, t, n, h = q.shape
+  _, s, kh, _ = k_cache.shape
+  if k_tail.shape != (b, t, kh, h) or v_tail.shape != k_tail.shape:
+    raise ValueError(f'k_tail/v_tail must be {(b, t, kh, h)}, got {k_tail.shape}, {v_tail.shape}')
+  if k_cache.shape != (b, s, kh, h) or v_cache.shape != k_cache.shape:
+    raise ValueError(
+      f'k_cache/v_cache must be [B, S, K, H]={(b, s, kh, h)}, got {k_cache.shape}, {v_cache.shape}'
+    )
+  if n % kh:
+    raise ValueError(f'{n=} query heads must be a multiple of {kh=} kv heads')
+  if prefix_len.shape != (b,):
+    raise ValueError(f'prefix_len must be int32[{b}], got {prefix_len.shape}')
+  if ancestors is not None and ancestors.shape != (b, t, t):
+    raise ValueError(f'ancestors must be bool[B, T, T]={(b, t, t)}, got {ancestors.shape}')
+
+
 @functools.partial(jax.jit, static_argnames=('scale', 'block_sizes', 'interpret', 'debug'))
 def tree_attention(
   q: Float[Array, 'B T N H'],
@@ -201,20 +219,9 @@ def tree_attention(
   Returns:
     ``[B, T, N, H]`` in ``q``'s dtype.
   """
+  check_shapes(q, k_tail, v_tail, k_cache, v_cache, prefix_len, ancestors)
   b, t, n, h = q.shape
   _, s, kh, _ = k_cache.shape
-  if k_tail.shape != (b, t, kh, h) or v_tail.shape != k_tail.shape:
-    raise ValueError(f'k_tail/v_tail must be {(b, t, kh, h)}, got {k_tail.shape}, {v_tail.shape}')
-  if k_cache.shape != (b, s, kh, h) or v_cache.shape != k_cache.shape:
-    raise ValueError(
-      f'k_cache/v_cache must be [B, S, K, H]={(b, s, kh, h)}, got {k_cache.shape}, {v_cache.shape}'
-    )
-  if n % kh:
-    raise ValueError(f'{n=} query heads must be a multiple of {kh=} kv heads')
-  if prefix_len.shape != (b,):
-    raise ValueError(f'prefix_len must be int32[{b}], got {prefix_len.shape}')
-  if ancestors is not None and ancestors.shape != (b, t, t):
-    raise ValueError(f'ancestors must be bool[B, T, T]={(b, t, t)}, got {ancestors.shape}')
   groups = n // kh
   bs = block_sizes or choose_block_sizes(t, groups, h)
   block_q = bs.block_q

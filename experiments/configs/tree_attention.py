@@ -1,6 +1,6 @@
 """Tree-attention kernel benchmark: Pallas kernel vs the XLA dense-mask path.
 
-Run (GPU; Qwen3-8B attention shapes, bf16):
+Run (GPU or TPU, the platform's kernel; Qwen3-8B attention shapes, bf16):
   python -m experiments.benchmark_tree_attention --config=experiments/configs/tree_attention.py \
       --workdir=benchmarks
 CPU smoke run (interpret mode, tiny shapes; what CI runs):
@@ -22,7 +22,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.num_nodes = (16, 64, 128, 256)
   config.repeats = 20
   config.seed = 0
-  config.peak_bandwidth_gbs = 4800.0  # H200 HBM3e, for the ratio column
+  config.peak_bandwidth_gbs = 4800.0  # H200 HBM3e, for the ratio column (a TPU reports its own)
   if arg == 'tiny':
     config.num_heads, config.num_kv_heads, config.head_dim = 4, 2, 64
     config.dtype = 'float32'

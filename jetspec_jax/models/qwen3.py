@@ -35,9 +35,10 @@ import numpy as np
 
 from jetspec_jax import kv_cache as kv_lib
 from jetspec_jax.typing import Array, Bool, Float, Int
+from pallas_kernels import dispatch as kernel_dispatch
 from pallas_kernels import tree_attention as tree_attention_kernel
 
-ATTN_IMPLS = ('xla', 'pallas')
+ATTN_IMPLS = ('xla',) + kernel_dispatch.IMPLS  # 'pallas': the platform's kernel
 MASK_VALUE = tree_attention_kernel.MASK_VALUE
 
 
@@ -462,17 +463,11 @@ class Attention(nn.Module):
     k = rope(k, positions, cfg.rope_theta, cfg.rope_scaling)
     cache_k = kv_lib.write_slots(cache_k, slots, k)
     cache_v = kv_lib.write_slots(cache_v, slots, v)
-    if self.attn_impl == 'pallas':
-      # The kernel reads the prefix from the cache and the tail from k/v directly.
-      out = tree_attention_kernel.tree_attention(
-        q,
-        k,
-        v,
-        cache_k,
-        cache_v,
-        mask.prefix_len,
-        mask.ancestors,
-        interpret=jax.default_backend() == 'cpu',
+    if self.attn_impl != 'xla':
+      # The kernel reads the prefix from the cache and the tail from k/v directly; which kernel
+      # (Triton, Mosaic, interpreted) is decided per platform at lowering time.
+      out = kernel_dispatch.tree_attention(
+        q, k, v, cache_k, cache_v, mask.prefix_len, mask.ancestors, impl=self.attn_impl
       )
     else:
       out = attention_live(q, cache_k, cache_v, mask)
@@ -694,7 +689,9 @@ def forward(
       sees slots ``<= slots[t]``; on the Pallas path: ``TailMask(cache.lengths)``, which assumes
       the new tokens sit at slots ``lengths + t``).
     taps: layer ids whose output residual stream is returned, concatenated in this order.
-    attn_impl: ``'xla'`` (dense-mask reference) or ``'pallas'``.
+    attn_impl: ``'xla'`` (dense-mask reference), ``'pallas'`` (the platform's tree-attention
+      kernel: Triton on CUDA, Mosaic on TPU, interpreted on CPU) or ``'pallas_mosaic'`` (the
+      Mosaic kernel; TPU interpret mode on CPU).
 
   Returns:
     A :class:`ForwardOutput`. ``cache.lengths`` becomes ``max(lengths, max(slots) + 1)`` over the
@@ -708,11 +705,13 @@ def forward(
     # A TailMask places the new tokens right after the prefix; otherwise slot == position.
     offsets = jnp.arange(t, dtype=jnp.int32)[None]
     slots = mask.prefix_len[:, None] + offsets if isinstance(mask, TailMask) else positions
-  if attn_impl == 'pallas':
+  if attn_impl != 'xla':
     if mask is None:
       mask = TailMask(cache.lengths)
     elif not isinstance(mask, TailMask):
-      raise ValueError("attn_impl='pallas' needs a TailMask (or None for causal), not a dense mask")
+      raise ValueError(
+        f'attn_impl={attn_impl!r} needs a TailMask (or None for causal), not a dense mask'
+      )
   elif mask is None:
     mask = CausalSlots(slots)
   elif not isinstance(mask, TailMask):
