@@ -23,13 +23,16 @@ import jetspec_jax as js
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-  """One way to decode: ``method`` ``'ar' | 'chain' | 'tree'``, the head's name, tree shape."""
+  """One way to decode: ``method`` ``'ar' | 'chain' | 'tree' | 'dspark'``, the head's name, the
+  tree shape (``'tree'``) or how the verify length is chosen (``'dspark'``)."""
 
   method: str = 'ar'
   head: str | None = None
   budget: int | None = None
   algorithm: str | None = None
   width: int = 7
+  verify_length: str | None = None  # 'dspark': 'threshold' or 'scheduler'
+  threshold: float = 0.0
 
   def __post_init__(self):
     if self.method not in js.decoding.METHODS:
@@ -38,6 +41,8 @@ class Setting:
       raise ValueError(f'{self.method!r} takes {"no" if self.method == "ar" else "a"} head')
     if self.method == 'tree' and not self.budget:
       raise ValueError('a tree setting needs a budget')
+    if (self.method == 'dspark') != (self.verify_length is not None):
+      raise ValueError("a verify_length goes with method='dspark', and only with it")
 
   @property
   def name(self) -> str:
@@ -45,9 +50,15 @@ class Setting:
       return 'ar'
     if self.method == 'chain':
       return f'chain/{self.head}'
+    if self.method == 'dspark':
+      if self.verify_length == 'scheduler':
+        return f'dspark/{self.head}/scheduler'
+      return f'dspark/{self.head}/threshold{self.threshold:g}'
     return f'tree/{self.head}/{self.algorithm or "accum_logp"}/{self.budget}'
 
   def generate_kwargs(self) -> dict:
+    if self.method == 'dspark':
+      return dict(method='dspark', verify_length=self.verify_length, threshold=self.threshold)
     if self.method != 'tree':
       return dict(method=self.method)
     return dict(
@@ -64,15 +75,26 @@ class Setting:
       head=self.head,
       budget=self.budget,
       algorithm=self.algorithm,
+      verify_length=self.verify_length,
+      threshold=self.threshold if self.method == 'dspark' else None,
     )
 
 
 def head_settings(
-  heads: Sequence[str], budgets: Sequence[int], algorithms: Sequence[str], width: int = 7
+  heads: Sequence[str],
+  budgets: Sequence[int],
+  algorithms: Sequence[str],
+  width: int = 7,
+  kinds: dict[str, str] | None = None,
+  dspark_verify: Sequence[tuple[str, float]] = (('threshold', 0.0),),
 ) -> list[Setting]:
-  """AR, then for every head its chain and its trees (every algorithm and budget)."""
+  """AR, then for every head its chain and its trees (every algorithm and budget); a DSpark head
+  (``kinds[head] == 'dspark'``) gets one setting per ``(verify_length, threshold)`` instead."""
   out = [Setting()]
   for head in heads:
+    if (kinds or {}).get(head) == 'dspark':
+      out += [Setting('dspark', head, verify_length=v, threshold=t) for v, t in dspark_verify]
+      continue
     out.append(Setting('chain', head))
     for algorithm in algorithms:
       out += [Setting('tree', head, budget, algorithm, width) for budget in budgets]

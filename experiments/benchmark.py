@@ -58,13 +58,19 @@ def run(config, workdir: str) -> dict:
   prompts = [(group, p) for group, ps in groups.items() for p in ps]
   ids = [p for _, p in prompts]
   eos = tok.eos_ids if config.get('stop_at_eos', False) else None
-  settings = bench.head_settings(list(heads), config.budgets, config.tree_algorithms, config.width)
+  kinds = {name: h.cfg.kind for name, h in heads.items()}
+  dspark_verify = tuple(tuple(v) for v in config.get('dspark_verify', (('threshold', 0.0),)))
+  settings = bench.head_settings(
+    list(heads), config.budgets, config.tree_algorithms, config.width, kinds, dspark_verify
+  )
   # At T > 0 a config may run fewer tree algorithms (``sampled_tree_algorithms``).
   sampled = bench.head_settings(
     list(heads),
     config.budgets,
     config.get('sampled_tree_algorithms') or config.tree_algorithms,
     config.width,
+    kinds,
+    dspark_verify,
   )
   # One shape for every prompt, so each setting compiles once (warm-up) and timings exclude it.
   overhang = max(config.budgets) + max(h.cfg.block_size for h in heads.values())
@@ -118,7 +124,7 @@ def run(config, workdir: str) -> dict:
   # The peer stops where ``generate`` stops: the tokenizer's ids, else the config's EOS.
   peer_eos = js.decoding.stop_ids(eos, target.cfg.eos_token_id)
   peer_rows = run_peers(config, model_path, prompts, peer_eos, rows, ar_tokens)
-  batch_rows = run_batches(config, target, heads, ids, shapes)
+  batch_rows = run_batches(config, target, heads, ids, shapes, {s.name: s for s in settings})
   result = dict(
     **bench.envelope(config),
     num_prompts={k: len(v) for k, v in groups.items()},
@@ -162,31 +168,55 @@ def run_peers(config, model_path, prompts, eos, rows, ar_tokens) -> list[dict]:
   return out
 
 
-def run_batches(config, target, heads, prompts, shapes) -> list[dict]:
-  """Throughput and per-sequence latency at several batch sizes (greedy; ar and tree)."""
+def run_batches(config, target, heads, prompts, shapes, settings_by_name) -> list[dict]:
+  """Batched decoding: total tokens/s (all sequences) and per-user tokens/s (each sequence's
+  tokens over its batch's wall time, averaged), at every batch size and batch temperature.
+
+  The prompts are the first ``max(batch_sizes)`` in the order given (the same for every batch
+  size); the settings are ``config.batch_settings`` by name (default: ar and a JetSpec tree).
+  """
   rows = []
+  names = config.get('batch_settings') or (
+    'ar',
+    bench.Setting('tree', config.batch_head, config.batch_budget, width=config.width).name,
+  )
   tree = bench.Setting('tree', config.batch_head, config.batch_budget, width=config.width)
-  for batch in config.batch_sizes:
-    groups = [list(prompts[i : i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
-    if not groups:
-      continue
-    for setting in (bench.Setting(), tree):
-      outs = bench.measure(
-        target, heads, setting, groups, max_new_tokens=config.max_new_tokens, shapes=shapes
-      )
-      walls = [o[0].stats.wall_s for o in outs]  # one wall time per batch
-      tokens = sum(x.stats.new_tokens for o in outs for x in o)
-      taus = np.concatenate([x.stats.tau for o in outs for x in o])
-      rows.append(
-        dict(
-          batch=batch,
-          setting=setting.name,
-          tps=tokens / sum(walls),
-          latency_s=float(np.mean(walls)),
-          tau=float(taus.mean()),
+  settings_by_name = dict(settings_by_name, **{tree.name: tree})
+  if not config.batch_sizes:
+    return rows
+  pool = prompts[: max(config.batch_sizes)]
+  for temperature in config.get('batch_temperatures') or (0.0,):
+    for batch in config.batch_sizes:
+      groups = [list(pool[i : i + batch]) for i in range(0, len(pool) - batch + 1, batch)]
+      if not groups:
+        continue
+      for name in names:
+        setting = settings_by_name[name]
+        outs = bench.measure(
+          target,
+          heads,
+          setting,
+          groups,
+          max_new_tokens=config.max_new_tokens,
+          temperature=temperature,
+          shapes=shapes,
         )
-      )
-      logging.info('%s', rows[-1])
+        walls = [o[0].stats.wall_s for o in outs]  # one wall time per batch
+        tokens = sum(x.stats.new_tokens for o in outs for x in o)
+        user_tps = [x.stats.new_tokens / x.stats.wall_s for o in outs for x in o]
+        taus = np.concatenate([x.stats.tau for o in outs for x in o])
+        rows.append(
+          dict(
+            temperature=temperature,
+            batch=batch,
+            setting=setting.name,
+            tps=tokens / sum(walls),
+            user_tps=float(np.mean(user_tps)),
+            latency_s=float(np.mean(walls)),
+            tau=float(taus.mean()),
+          )
+        )
+        logging.info('%s', rows[-1])
   return rows
 
 
@@ -198,10 +228,12 @@ ROW_COLUMNS = (
   ('speedup', '{speedup:.2f}x'),
 )
 BATCH_COLUMNS = (
+  ('T', '{temperature:g}'),
   ('batch', '{batch}'),
   ('setting', '{setting}'),
   ('tau', '{tau:.2f}'),
   ('tok/s (all sequences)', '{tps:.1f}'),
+  ('tok/s per user', '{user_tps:.1f}'),
   ('latency per batch (s)', '{latency_s:.3f}'),
 )
 PEER_COLUMNS = (
@@ -275,7 +307,7 @@ def plot(rows, out: pathlib.Path) -> None:
     if (
       r['method'] != 'ar'
       and r['temperature'] == 0
-      and (r['method'] == 'chain' or r['budget'] == max(x['budget'] or 0 for x in rows))
+      and (r['method'] in ('chain', 'dspark') or r['budget'] == max(x['budget'] or 0 for x in rows))
     ):
       hist = np.asarray(r['tau_histogram'], float)
       axes[2].plot(np.arange(len(hist)), hist / max(hist.sum(), 1), marker='.', label=r['setting'])

@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax import dspark as dspark_lib
 from jetspec_jax import rounds as rounds_lib
 from jetspec_jax import tree as tree_lib
 from jetspec_jax.models import draft_head as draft_head_lib
 from jetspec_jax.models import qwen3
 from jetspec_jax.rounds import Sampling, TreeSettings
 
-METHODS = ('ar', 'chain', 'tree')
+METHODS = ('ar', 'chain', 'tree', 'dspark')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +250,8 @@ def generate(
   seed: int = 0,
   eos_id: int | Iterable[int] | None = None,
   tree_algorithm: str = 'accum_logp',
+  verify_length: str = 'threshold',
+  threshold: float = 0.5,
   min_prompt_bucket: int = 0,
   min_capacity: int = 0,
 ) -> GenerateOutput | list[GenerateOutput]:
@@ -261,7 +264,8 @@ def generate(
       sequence drafts, verifies and stops on its own; the result is then a list).
     max_new_tokens: most tokens to return (EOS included).
     method: ``'ar'`` (autoregressive), ``'chain'`` (the head's top-1 block verified as a chain,
-      the DFlash baseline) or ``'tree'`` (JetSpec).
+      the DFlash baseline), ``'tree'`` (JetSpec) or ``'dspark'`` (a DSpark head's sequential
+      chain, verified up to a confidence-chosen length: :mod:`jetspec_jax.dspark`).
     budget: tree nodes per round, root included (``'tree'``).
     width: candidates per depth (``'tree'``).
     temperature: 0 for greedy; otherwise sample-and-match acceptance (exact).
@@ -271,6 +275,11 @@ def generate(
     eos_id: stop token id or a collection of them (e.g. a tokenizer's ``eos_ids``); defaults
       to the target config's ``eos_token_id``.
     tree_algorithm: ``'accum_logp'`` or ``'top2gap'``.
+    verify_length: ``'dspark'``: ``'threshold'`` (verify up to the first drafted token whose
+      estimated survival is below ``threshold``) or ``'scheduler'`` (the hardware-aware prefix
+      scheduler over the batch, with a rounds-per-second table (draft + verify at each verify
+      width) profiled once on this device: :func:`jetspec_jax.dspark.profile_sps`).
+    threshold: the survival threshold of ``verify_length='threshold'`` (0: verify every token).
     min_prompt_bucket: pad the prompt to at least this many positions (shared compilations).
     min_capacity: cache capacity of at least this many slots (shared compilations).
 
@@ -307,8 +316,18 @@ def generate(
     raise ValueError(f'method={method!r} needs a draft head')
   draft_head_lib.check_fits_target(head.cfg, target.cfg)
   bs = head.cfg.block_size
-  if method == 'chain':
-    tree_settings = TreeSettings(budget=bs, width=1)
+  if (method == 'dspark') != (head.cfg.kind == 'dspark'):
+    raise ValueError(
+      f"method={method!r} cannot run a {head.cfg.kind} head (method='dspark' "
+      'runs exactly the DSpark heads)'
+    )
+  round_data = None
+  if method == 'dspark':
+    round_fn = dspark_lib.DSparkRound(verify_length, float(threshold))
+    overhang = head.cfg.max_depth + 1
+  elif method == 'chain':
+    round_fn = rounds_lib.TreeRound(TreeSettings(budget=bs, width=1))
+    overhang = bs
   else:
     if budget < 1:
       raise ValueError(f'{budget=} must be >= 1 (it counts the root)')
@@ -318,15 +337,16 @@ def generate(
       raise ValueError(
         f'tree_algorithm must be one of {sorted(tree_lib.TREE_BUILDERS)}, got {tree_algorithm!r}'
       )
-    tree_settings = TreeSettings(budget=int(budget), width=int(width), algorithm=tree_algorithm)
+    settings = TreeSettings(budget=int(budget), width=int(width), algorithm=tree_algorithm)
+    round_fn = rounds_lib.TreeRound(settings)
+    overhang = settings.budget
   prompts, lengths, capacity = _prepare_prompts(
-    target,
-    prompt_list,
-    max_new_tokens,
-    tree_settings.budget + bs,
-    min_prompt_bucket,
-    min_capacity,
+    target, prompt_list, max_new_tokens, overhang + bs, min_prompt_bucket, min_capacity
   )
+  if method == 'dspark' and verify_length == 'scheduler':
+    widths = dspark_lib.verify_widths(head.cfg.max_depth)
+    sps = dspark_lib.profile_sps(target, len(prompt_list), capacity, widths, head=head)
+    round_data = jnp.asarray(sps)
   start = time.perf_counter()
   out, n, taus, rounds = rounds_lib.speculative_loop(
     target,
@@ -334,10 +354,11 @@ def generate(
     prompts,
     lengths,
     key,
+    round_data,
     capacity=capacity,
     max_new_tokens=max_new_tokens,
     sampling=sampling,
-    tree_settings=tree_settings,
+    round_fn=round_fn,
   )
   out, n, taus, rounds = jax.device_get((out, n, taus, rounds))
   results = _collect(out, n, time.perf_counter() - start, max_new_tokens, eos, taus, rounds)

@@ -2,10 +2,12 @@
 
 Every method runs its whole decode in one jitted function: prefill, then ``lax.while_loop`` over
 steps (AR) or speculative rounds, with no host sync until the end (DESIGN.md §2, "the decode
-loop"). A speculative round is one function of a named :class:`RoundState`;
-:func:`speculative_round` is the only round (``generate``, the trace in notebooks and the
-benchmarks all run it), so a new method is one new round function (or head kind) plugged into the
-same loop. The host side (validation, padding, outputs) is :mod:`jetspec_jax.decoding`.
+loop"). A speculative round is one function of a named :class:`RoundState`, passed to
+:func:`speculative_loop` as a static, hashable ``round_fn``: :class:`TreeRound` runs
+:func:`speculative_round` (JetSpec trees and chains; ``generate``, the trace in notebooks and the
+benchmarks all run it) and :class:`jetspec_jax.dspark.DSparkRound` runs DSpark's, so a new method
+is one new round function (or head kind) plugged into the same loop. The host side (validation,
+padding, outputs) is :mod:`jetspec_jax.decoding`.
 """
 
 import dataclasses
@@ -174,7 +176,7 @@ class RoundState:
   Attributes:
     cache: the target's KV cache; ``cache.lengths[b]`` = committed tokens ``P`` of row ``b``.
     draft_cache: the head's context cache (features of committed tokens it has read).
-    pending: ``[B, bs, F]`` features of last round's accepted path, not yet in ``draft_cache``.
+    pending: ``[B, D + 1, F]`` features of last round's accepted path, not yet in ``draft_cache``.
     num_pending: ``int32[B]`` valid rows of ``pending``.
     anchor: ``int32[B]`` committed token ``P`` (the last one; the target has not read it yet).
     key: PRNG key.
@@ -193,23 +195,27 @@ class RoundOutput:
   """What one round did (the loop keeps ``committed`` and ``tau``; a trace keeps everything).
 
   Attributes:
-    committed: ``int32[B, bs]`` accepted drafts then the target's bonus token; the first ``tau``
-      are valid.
+    committed: ``int32[B, D + 1]`` accepted drafts then the target's bonus token; the first
+      ``tau`` are valid (``D``: the head's ``max_depth``).
     tau: ``int32[B]`` tokens committed this round (accepted + 1).
-    tree: the drafted trees (``[B, M]`` leaves).
-    ancestors: ``bool[B, M, M]`` ancestor-or-self masks.
-    choices: ``int32[B, M]`` the target's token at every node (what acceptance compared).
+    tree: the drafted trees (``[B, M]`` leaves; tree rounds).
+    ancestors: ``bool[B, M, M]`` ancestor-or-self masks (tree rounds).
+    choices: ``int32[B, M]`` the target's token at every node (what acceptance compared; tree
+      rounds).
     path: ``int32[B, D + 1]`` accepted node indices, root first (valid to ``tau``).
-    draft_logits: ``[B, D, V]`` the head's per-depth logits.
+    draft_logits: ``[B, D, V]`` the head's per-depth logits (DSpark: those each token was drawn
+      from).
+    verify_len: ``int32[B]`` drafted tokens sent to verification (DSpark rounds).
   """
 
   committed: Array
   tau: Array
-  tree: tree_lib.Tree
-  ancestors: Array
-  choices: Array
-  path: Array
-  draft_logits: Array
+  tree: tree_lib.Tree | None = None
+  ancestors: Array | None = None
+  choices: Array | None = None
+  path: Array | None = None
+  draft_logits: Array | None = None
+  verify_len: Array | None = None
 
 
 Choose = Callable[[tree_lib.Tree, Array, jax.Array], Array]
@@ -226,14 +232,14 @@ def start_rounds(
   sampling: Sampling,
 ) -> RoundState:
   """Prefill the target, read the prompt's features into the head, sample the first token."""
-  b, bs = prompts.shape[0], head.cfg.block_size
+  b, rows = prompts.shape[0], head.cfg.max_depth + 1  # a round commits at most max_depth + 1
   cache, last_logits, features = prefill(
     target, prompts, prompt_lens, capacity, taps=head.cfg.target_layer_ids
   )
   draft_cache = head.extend_context(head.make_cache(b, capacity), features, prompt_lens)
   key, sub = jax.random.split(key)
   anchor = sampling.sample(last_logits, sub)  # [B]
-  pending = jnp.zeros((b, bs, features.shape[-1]), features.dtype)
+  pending = jnp.zeros((b, rows, features.shape[-1]), features.dtype)
   return RoundState(cache, draft_cache, pending, jnp.zeros((b,), jnp.int32), anchor, key)
 
 
@@ -280,20 +286,29 @@ def speculative_round(
   return new_state, out
 
 
-@functools.partial(
-  jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling', 'tree_settings')
-)
+@dataclasses.dataclass(frozen=True)
+class TreeRound:
+  """A JetSpec (or chain) round as a static, hashable round function of the loop."""
+
+  settings: TreeSettings
+
+  def __call__(self, target, head, state, sampling, round_data=None):
+    return speculative_round(target, head, state, sampling, self.settings)
+
+
+@functools.partial(jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling', 'round_fn'))
 def speculative_loop(
   target,
   head,
   prompts,
   prompt_lens,
   key,
+  round_data=None,
   *,
   capacity: int,
   max_new_tokens: int,
   sampling: Sampling,
-  tree_settings: TreeSettings,
+  round_fn: Callable,
 ):
   """Speculative decoding of ``B`` sequences on device: prefill, then rounds in a while loop.
 
@@ -303,12 +318,15 @@ def speculative_loop(
 
   Args:
     prompts: ``int32[B, Pb]`` right-padded prompts; ``prompt_lens``: ``int32[B]``.
+    round_data: arrays the round reads (e.g. DSpark's steps-per-second table), or None.
+    round_fn: ``round_fn(target, head, state, sampling, round_data) -> (state, RoundOutput)``,
+      static and hashable (:class:`TreeRound`, :class:`jetspec_jax.dspark.DSparkRound`).
 
   Returns:
-    (tokens ``[B, max_new_tokens + block_size]``, counts ``[B]``, tau per round
+    (tokens ``[B, max_new_tokens + max_depth + 1]``, counts ``[B]``, tau per round
     ``[B, max_new_tokens]``, rounds ``[B]``). Tokens past ``counts`` are scratch.
   """
-  b, bs = prompts.shape[0], head.cfg.block_size
+  b, bs = prompts.shape[0], head.cfg.max_depth + 1
   state = start_rounds(
     target, head, prompts, prompt_lens, key, capacity=capacity, sampling=sampling
   )
@@ -326,7 +344,7 @@ def speculative_loop(
   def body(carry):
     n, rounds, done, out, taus, state = carry
     live = active(n, done)
-    state, step = speculative_round(target, head, state, sampling, tree_settings)
+    state, step = round_fn(target, head, state, sampling, round_data)
     committed, tau = step.committed, step.tau
     written = jax.vmap(lambda o, c, i: jax.lax.dynamic_update_slice(o, c, (i,)))(out, committed, n)
     out = jnp.where(live[:, None], written, out)

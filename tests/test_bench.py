@@ -35,6 +35,23 @@ def test_settings_name_and_validate():
     bench.Setting('chain')
   with pytest.raises(ValueError, match='budget'):
     bench.Setting('tree', 'jetspec')
+  dspark = bench.head_settings(
+    ['jetspec', 'ds'],
+    budgets=(8,),
+    algorithms=('accum_logp',),
+    kinds=dict(jetspec='jetspec', ds='dspark'),
+    dspark_verify=(('threshold', 0.0), ('threshold', 0.3), ('scheduler', 0.0)),
+  )
+  assert [s.name for s in dspark][3:] == [
+    'dspark/ds/threshold0',
+    'dspark/ds/threshold0.3',
+    'dspark/ds/scheduler',
+  ]
+  assert dspark[4].generate_kwargs() == dict(
+    method='dspark', verify_length='threshold', threshold=0.3
+  )
+  with pytest.raises(ValueError, match='verify_length'):
+    bench.Setting('dspark', 'ds')
 
 
 def test_summarize_counts_tau_tokens_and_speedup():

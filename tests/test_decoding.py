@@ -115,7 +115,7 @@ def test_rounds_run_without_host_transfers(target, heads, monkeypatch):
       capacity=capacity,
       max_new_tokens=max_new_tokens,
       sampling=rounds.Sampling(),
-      tree_settings=rounds.TreeSettings(budget=16, width=3),
+      round_fn=rounds.TreeRound(rounds.TreeSettings(budget=16, width=3)),
     )
     return jax.jit(loop).lower(target, head, prompt, plen, jax.random.key(0)).compile()
 
@@ -129,7 +129,7 @@ def test_rounds_run_without_host_transfers(target, heads, monkeypatch):
     capacity=capacity,
     max_new_tokens=40,
     sampling=rounds.Sampling(),
-    tree_settings=rounds.TreeSettings(budget=16, width=3),
+    round_fn=rounds.TreeRound(rounds.TreeSettings(budget=16, width=3)),
   )
   assert int(out[3][0]) > 3  # many rounds ran inside that one program
 
@@ -178,7 +178,7 @@ def test_sampled_tree_matches_target_distribution(temperature, top_k, top_p):
     capacity=capacity,
     max_new_tokens=3,
     sampling=sampling,
-    tree_settings=rounds.TreeSettings(budget=12, width=3),
+    round_fn=rounds.TreeRound(rounds.TreeSettings(budget=12, width=3)),
   )
   draw = jax.jit(jax.vmap(lambda k: loop(target, head, prompt, plen, k)[:2]))
   counts = np.zeros(125)
@@ -221,7 +221,7 @@ def test_sampled_tree_over_several_rounds_and_two_rows():
     capacity=capacity,
     max_new_tokens=4,
     sampling=rounds.Sampling(1.0),
-    tree_settings=rounds.TreeSettings(budget=4, width=2),
+    round_fn=rounds.TreeRound(rounds.TreeSettings(budget=4, width=2)),
   )
   draw = jax.jit(jax.vmap(lambda k: loop(target, head, prompts, lengths, k)))
   counts = np.zeros((2, 625))

@@ -3,6 +3,10 @@
 Run (the README's SmolLM2 table):
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py \
       --workdir=benchmarks/smollm2_135m
+DSpark against JetSpec and DFlash-style (all three heads: same data, size and steps), batch 1 and
+8, T=0 and T=1:
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:dspark \
+      --workdir=benchmarks/smollm2_135m_dspark
 
 Held-out chat-formatted prompts in three groups (code: HumanEval as a request; chat:
 ``EVAL_CHAT_INSTRUCTIONS``; math: ``EVAL_MATH_TEMPLATES``), disjoint from the heads' training
@@ -36,6 +40,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.batch_sizes = ()
   config.batch_budget = 16
   config.batch_head = 'jetspec'
+  if arg == 'dspark':
+    config.heads.dspark = 'assets/dspark_head_smollm2_135m'
+    config.num_per_group = 3
+    config.budgets = (8, 16)
+    config.tree_algorithms = ('accum_logp',)
+    config.dspark_verify = (('threshold', 0.0), ('threshold', 0.3), ('scheduler', 0.0))
+    config.peers = ()
+    config.batch_sizes = (1, 8)
+    config.batch_temperatures = (0.0, 1.0)
+    config.batch_settings = (
+      'ar',
+      'chain/dflash',
+      'tree/jetspec/accum_logp/16',
+      'dspark/dspark/threshold0.3',
+      'dspark/dspark/scheduler',
+    )
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
     config.budgets = (8, 16, 32)
     config.tree_algorithms = ('accum_logp',)

@@ -42,6 +42,7 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       intermediate_size=0,
       mask_token_id=0,  # '<|endoftext|>': never inside a chat turn, so free to mean MASK
       init_from_target_layers=False,  # start head layers as copies of the target's last layers
+      markov_rank=0,
     )
   )
   config.data = ml_collections.ConfigDict(
@@ -86,6 +87,13 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     checkpoint_every=100,
   )
   config.eval.update(num_prompts=8, max_new_tokens=96, method='tree', budget=32, width=7)
+  if arg == 'dspark':
+    # DSpark: a bidirectional backbone whose anchor slot predicts too, so block 7 drafts 7 tokens
+    # like the other heads' block 8; Markov rank 256 and the loss weights exp(-k/4) of the
+    # paper's code; its loss needs the teacher's logits (the stored final hidden states).
+    config.head.update(block_size=7, causal=False, markov_rank=256)
+    config.train.update(loss='dspark', gamma=4.0)
+    config.eval.update(method='dspark', threshold=0.0)  # chain tau: verify every token
   if arg == 'tiny':  # a smoke test of the pipeline (tests)
     config.data.update(
       num_instructions=4,

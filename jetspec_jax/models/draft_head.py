@@ -48,6 +48,9 @@ class DraftHeadConfig:
     block_size: slots per block; the maximum draft depth is ``block_size - 1``.
     mask_token_id: token id of the MASK slots (the target's frozen embedding row).
     causal: lower-triangular in-block mask (JetSpec) or full (DFlash baseline).
+    markov_rank: ``> 0`` makes a DSpark head (:mod:`jetspec_jax.dspark`): a bidirectional
+      backbone whose anchor slot predicts too (block ``bs`` drafts ``bs`` tokens), a rank-``r``
+      Markov bias over the previous drafted token, and a confidence head.
   """
 
   hidden_size: int
@@ -65,6 +68,7 @@ class DraftHeadConfig:
   rope_theta: float = 1_000_000.0
   rms_norm_eps: float = 1e-6
   max_position_embeddings: int = 40960
+  markov_rank: int = 0
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -77,14 +81,26 @@ class DraftHeadConfig:
       raise ValueError('target_layer_ids must name at least one target layer')
     if not 0 <= self.mask_token_id < self.vocab_size:
       raise ValueError(f'{self.mask_token_id=} is outside the vocabulary [0, {self.vocab_size})')
+    if self.markov_rank < 0:
+      raise ValueError(f'{self.markov_rank=} must be >= 0')
+    if self.markov_rank and self.causal:
+      raise ValueError('a DSpark head (markov_rank > 0) has a bidirectional backbone: causal=False')
 
   @property
   def num_taps(self) -> int:
     return len(self.target_layer_ids)
 
   @property
+  def kind(self) -> str:
+    """``'dspark'``, ``'jetspec'`` (causal) or ``'dflash'`` (bidirectional)."""
+    if self.markov_rank:
+      return 'dspark'
+    return 'jetspec' if self.causal else 'dflash'
+
+  @property
   def max_depth(self) -> int:
-    return self.block_size - 1
+    """Tokens one block drafts: ``bs - 1`` (the anchor slot is discarded), ``bs`` for DSpark."""
+    return self.block_size if self.markov_rank else self.block_size - 1
 
 
 def default_tap_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
@@ -104,6 +120,7 @@ def config_for_target(
   target_layer_ids: tuple[int, ...] | None = None,
   mask_token_id: int | None = None,
   intermediate_size: int | None = None,
+  markov_rank: int = 0,
 ) -> DraftHeadConfig:
   """A head config that fits ``target_cfg`` (same width, heads, vocab and RoPE)."""
   if target_layer_ids is None:
@@ -124,6 +141,7 @@ def config_for_target(
     rope_theta=target_cfg.rope_theta,
     rms_norm_eps=target_cfg.rms_norm_eps,
     max_position_embeddings=target_cfg.max_position_embeddings,
+    markov_rank=markov_rank,
   )
 
 
@@ -301,9 +319,38 @@ def init_head_params(cfg: DraftHeadConfig, key, dtype=jnp.float32) -> dict:
   positions = jnp.zeros((1, 1), jnp.int32)
   ctx_mask, blk_mask = jnp.ones((1, 1, 1), bool), jnp.ones((1, 1), bool)
   module = DraftHeadModule(cfg, dtype)
-  return module.init(
-    key, features, x, positions, ctx_mask, blk_mask, method=DraftHeadModule.init_all
+  backbone_key, markov_key = jax.random.split(key)
+  params = module.init(
+    backbone_key, features, x, positions, ctx_mask, blk_mask, method=DraftHeadModule.init_all
   )['params']
+  if cfg.markov_rank:
+    params = dict(params, **init_dspark_params(cfg, markov_key, dtype))
+  return params
+
+
+def init_dspark_params(cfg: DraftHeadConfig, key, dtype=jnp.float32) -> dict:
+  """The sequential stage and confidence head of a DSpark head.
+
+  ``markov.embed [V, r]`` (``W1``), ``markov.proj [r, V]`` (``W2``; zeros, so an untrained head
+  starts as its backbone), ``confidence.kernel [D + r]`` and ``confidence.bias []``.
+  """
+  r, v, d = cfg.markov_rank, cfg.vocab_size, cfg.hidden_size
+  k1, k2 = jax.random.split(key)
+  return dict(
+    markov=dict(
+      embed=(jax.random.normal(k1, (v, r)) * r**-0.5).astype(dtype),
+      proj=jnp.zeros((r, v), dtype),
+    ),
+    confidence=dict(
+      kernel=(jax.random.normal(k2, (d + r,)) * (d + r) ** -0.5).astype(dtype),
+      bias=jnp.zeros((), dtype),
+    ),
+  )
+
+
+def backbone_params(params: dict) -> dict:
+  """The transformer part of a head's parameters (a DSpark head's extra stages dropped)."""
+  return {k: v for k, v in params.items() if k not in ('markov', 'confidence')}
 
 
 def init_from_target_layers(
@@ -391,6 +438,9 @@ class DraftHead:
 
   cfg: DraftHeadConfig = flax.struct.field(pytree_node=False)
   params: dict
+  # DSpark only: per-position temperatures of the confidence logits (``[bs]``, fitted by
+  # sequential temperature scaling after training; None = uncalibrated, i.e. all ones).
+  calibration: Array | None = None
 
   @property
   def dtype(self):
@@ -426,7 +476,10 @@ class DraftHead:
     slots = jnp.where(offsets < num_new[:, None], positions, cache.capacity)
     module = DraftHeadModule(self.cfg, self.dtype)
     k, v = module.apply(
-      {'params': self.params}, features, positions, method=DraftHeadModule.context_kv
+      {'params': backbone_params(self.params)},
+      features,
+      positions,
+      method=DraftHeadModule.context_kv,
     )
     return kv_lib.KVCache(
       k=tuple(kv_lib.write_slots(buf, slots, new) for buf, new in zip(cache.k, k)),
@@ -434,14 +487,12 @@ class DraftHead:
       lengths=(cache.lengths + num_new).astype(jnp.int32),
     )
 
-  def propose_cached(
+  def block_hidden(
     self, target: qwen3.Target, cache: kv_lib.KVCache, anchor: Int[Array, ' B']
-  ) -> Float[Array, 'B depth V']:
-    """Per-depth logits ``[B, bs-1, V]`` (float32) for the block anchored after the context.
-
-    The anchor sits at position ``cache.lengths`` (the first token without a feature row); the
-    block's tokens are embedded, and its outputs scored, by ``target``.
-    """
+  ) -> Float[Array, 'B T D']:
+    """The final-normed outputs ``[B, bs, D]`` of the block ``[anchor, MASK, ...]`` anchored
+    after the context (the anchor sits at position ``cache.lengths``, the first token without a
+    feature row); the block's tokens are embedded by ``target``."""
     cfg = self.cfg
     b, bs = anchor.shape[0], cfg.block_size
     ids = jnp.full((b, bs), cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
@@ -450,15 +501,26 @@ class DraftHead:
     positions = anchor_pos[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
     ctx_mask, blk_mask = block_mask(cfg, anchor_pos, cache.capacity)
     module = DraftHeadModule(cfg, self.dtype, live_context=True)
-    hidden = module.apply(
-      {'params': self.params}, x, positions, cache.k, cache.v, ctx_mask, blk_mask
+    return module.apply(
+      {'params': backbone_params(self.params)}, x, positions, cache.k, cache.v, ctx_mask, blk_mask
     )
-    return target.lm_logits(hidden[:, 1:].astype(target.dtype)).astype(jnp.float32)
+
+  def propose_cached(
+    self, target: qwen3.Target, cache: kv_lib.KVCache, anchor: Int[Array, ' B']
+  ) -> Float[Array, 'B depth V']:
+    """Per-depth logits ``[B, bs-1, V]`` (float32) for the block anchored after the context,
+    scored by ``target``'s LM head (row ``i`` predicts depth ``i + 1``). A DSpark head's base
+    logits ``U`` (no Markov bias) are ``[B, bs, V]``: its anchor slot predicts depth 1."""
+    hidden = self.block_hidden(target, cache, anchor)
+    if not self.cfg.markov_rank:
+      hidden = hidden[:, 1:]
+    return target.lm_logits(hidden.astype(target.dtype)).astype(jnp.float32)
 
   def propose(
     self, target: qwen3.Target, context_features: Float[Array, 'C F'], anchor: int | Array
   ) -> Float[Array, 'depth V']:
-    """Per-depth logits ``[bs-1, V]`` from the whole context at once (no cache reuse).
+    """Per-depth logits ``[max_depth, V]`` from the whole context at once (no cache reuse;
+    for a DSpark head, its base logits without the Markov bias).
 
     Args:
       target: the target the head drafts for (its embedding and LM head).
@@ -466,7 +528,8 @@ class DraftHead:
       anchor: committed token ``C`` (the last one; it has no feature row).
 
     Returns:
-      float32 logits; row ``i`` predicts the token at depth ``i + 1`` (position ``C + i + 1``).
+      float32 logits ``[max_depth, V]``; row ``i`` predicts the token at depth ``i + 1``
+      (position ``C + i + 1``).
     """
     features = jnp.asarray(context_features)
     if features.ndim != 2:
@@ -486,16 +549,25 @@ def random_draft_head(
   num_layers: int = 2,
   target_layer_ids: tuple[int, ...] | None = None,
   scale: float = 1.0,
+  markov_rank: int = 0,
 ) -> DraftHead:
-  """A randomly initialised head that fits ``target`` (``scale`` multiplies the weights)."""
+  """A randomly initialised head that fits ``target`` (``scale`` multiplies the weights).
+
+  With ``markov_rank`` a DSpark head (bidirectional) whose Markov bias is random too (a trained
+  head's starts at zero), so tests see a bias that depends on the previous token.
+  """
   cfg = config_for_target(
     target.cfg,
     num_layers=num_layers,
     block_size=block_size,
-    causal=causal,
+    causal=causal and not markov_rank,
     target_layer_ids=target_layer_ids,
+    markov_rank=markov_rank,
   )
   params = init_head_params(cfg, jax.random.key(seed), target.dtype)
+  if markov_rank:
+    proj = jax.random.normal(jax.random.key(seed + 1), params['markov']['proj'].shape)
+    params['markov'] = dict(params['markov'], proj=proj.astype(target.dtype))
   if scale != 1.0:
     params = jax.tree.map(lambda p: p * scale, params)
   return DraftHead(cfg=cfg, params=params)

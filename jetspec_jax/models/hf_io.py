@@ -276,6 +276,22 @@ def _head_rules(cfg: draft_head.DraftHeadConfig) -> Iterator[_Rule]:
     yield from _layer_rules(f'layers_{i}', f'layers.{i}', (), *dims)
     yield from _mlp_rules(f'layers_{i}', f'layers.{i}')
   yield ('norm', 'scale'), 'norm.weight', _ident, _ident
+  if cfg.markov_rank:  # DSpark: the Markov stage (Embedding(V, r), Linear(r, V)) and confidence
+    yield ('markov', 'embed'), 'markov_head.embed.weight', _ident, _ident
+    yield ('markov', 'proj'), 'markov_head.proj.weight', _t, _t
+    yield ('confidence', 'kernel'), 'confidence_head.weight', _row_out, _row_in
+    yield ('confidence', 'bias'), 'confidence_head.bias', _row_out, _row_in
+
+
+def _row_out(x):  # torch Linear(n, 1) weight [1, n] / bias [1] -> [n] / []
+  return x.reshape(x.shape[1:])
+
+
+def _row_in(x):
+  return x.reshape((1,) + x.shape)
+
+
+CALIBRATION_TENSOR = 'confidence_head.temperature'  # DSpark: per-position STS temperatures
 
 
 def _expert_leaves(cfg: qwen3.Qwen3Config, tensors: dict[str, np.ndarray], used: set[str]):
@@ -395,7 +411,7 @@ def load_target(
       ``.gguf`` file (Llama / Qwen2 / Qwen3; converted once and cached, see
       :mod:`jetspec_jax.models.gguf_io`).
     dtype: parameter and compute dtype (float32 for parity, bfloat16 on accelerators).
-    attn_impl: ``'xla'`` or ``'pallas'``.
+    attn_impl: ``'xla'``, ``'pallas'`` or ``'pallas_mosaic'`` (:mod:`pallas_kernels.dispatch`).
     mesh: a ``('data', 'model')`` mesh to place the parameters on (tensor-parallel over
       ``'model'``, see :mod:`jetspec_jax.sharding`); default: the default device.
 
@@ -467,7 +483,22 @@ def head_config_from_hf(hf: Mapping) -> draft_head.DraftHeadConfig:
     rope_theta=rope_theta_from_hf(hf),
     rms_norm_eps=hf.get('rms_norm_eps', 1e-6),
     max_position_embeddings=hf.get('max_position_embeddings', 40960),
+    markov_rank=_markov_rank(dflash),
   )
+
+
+HEAD_KINDS = ('jetspec', 'dflash', 'dspark')
+
+
+def _markov_rank(dflash: Mapping) -> int:
+  kind = dflash.get('head_kind', 'jetspec' if dflash.get('causal_head') else 'dflash')
+  if kind not in HEAD_KINDS:
+    raise CheckpointError(f'unknown head_kind {kind!r}; this library reads {HEAD_KINDS}')
+  if kind != 'dspark':
+    return 0
+  if not dflash.get('markov_rank'):
+    raise CheckpointError('a dspark head config.json needs dflash_config.markov_rank > 0')
+  return int(dflash['markov_rank'])
 
 
 def head_config_to_hf(cfg: draft_head.DraftHeadConfig, dtype=jnp.float32) -> dict:
@@ -482,6 +513,8 @@ def head_config_to_hf(cfg: draft_head.DraftHeadConfig, dtype=jnp.float32) -> dic
       causal_head=cfg.causal,
       target_layer_ids=list(cfg.target_layer_ids),
       mask_token_id=cfg.mask_token_id,
+      # Only a DSpark head names its kind: JetSpec / DFlash configs stay the released ones.
+      **({'head_kind': 'dspark', 'markov_rank': cfg.markov_rank} if cfg.markov_rank else {}),
     ),
   )
 
@@ -489,7 +522,11 @@ def head_config_to_hf(cfg: draft_head.DraftHeadConfig, dtype=jnp.float32) -> dic
 def load_draft_head(
   path: str | os.PathLike, target: qwen3.Target, *, dtype=None
 ) -> draft_head.DraftHead:
-  """Loads a JetSpec / DFlash head checkpoint and binds it to ``target``.
+  """Loads a JetSpec / DFlash / DSpark head checkpoint and binds it to ``target``.
+
+  The kind comes from ``config.json`` (``dflash_config.head_kind``; without it, ``causal_head``
+  tells JetSpec from DFlash); a DSpark head also reads its Markov and confidence tensors and,
+  when present, its calibration temperatures.
 
   Args:
     path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
@@ -508,9 +545,16 @@ def load_draft_head(
     raise CheckpointError(f'head at {path} does not fit the target: {e}') from e
   dtype = target.dtype if dtype is None else dtype
   expected = jax.eval_shape(lambda: draft_head.init_head_params(cfg, jax.random.key(0), dtype))
-  params = _map_from_hf(read_tensors(path), _head_rules(cfg), expected, set())
+  tensors = read_tensors(path)
+  calibration = None
+  if cfg.markov_rank and CALIBRATION_TENSOR in tensors:
+    calibration = jnp.asarray(
+      _checked(_ident, tensors[CALIBRATION_TENSOR], CALIBRATION_TENSOR, (cfg.block_size,)),
+      jnp.float32,
+    )
+  params = _map_from_hf(tensors, _head_rules(cfg), expected, set(), ignorable=[CALIBRATION_TENSOR])
   params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-  return draft_head.DraftHead(cfg=cfg, params=params)
+  return draft_head.DraftHead(cfg=cfg, params=params, calibration=calibration)
 
 
 def save_draft_head(head: draft_head.DraftHead, path: str | os.PathLike, dtype=None) -> None:
@@ -524,5 +568,7 @@ def save_draft_head(head: draft_head.DraftHead, path: str | os.PathLike, dtype=N
   tensors = {
     name: to_hf(np.asarray(_get(params, p))) for p, name, _, to_hf in _head_rules(head.cfg)
   }
+  if head.calibration is not None:
+    tensors[CALIBRATION_TENSOR] = np.asarray(head.calibration, np.float32)
   write_tensors(tensors, path)
   (path / 'config.json').write_text(json.dumps(head_config_to_hf(head.cfg, head.dtype), indent=2))

@@ -225,18 +225,21 @@ class TokenShards:
     data_dir: str | os.PathLike,
     max_len: int | None = None,
     shards_per_dir: int | None = None,
+    skip_per_dir: int = 0,
   ):
     """``shards_per_dir`` keeps only the first that many shards of each directory (a fixed
-    prefix of data that is still being generated)."""
+    prefix of data that is still being generated) after skipping its first ``skip_per_dir``
+    (held-out data: e.g. ``skip_per_dir=6, shards_per_dir=1`` is each directory's 7th shard)."""
     paths = sorted(pathlib.Path(data_dir).rglob('shard_*.npz'))  # subdirectories too
     paths = [p for p in paths if not p.name.endswith('.tmp.npz')]
-    if shards_per_dir is not None:
-      taken = collections.Counter()  # paths are sorted: each directory's shards in order
+    if shards_per_dir is not None or skip_per_dir:
+      seen = collections.Counter()  # paths are sorted: each directory's shards in order
       kept = []
       for p in paths:
-        if taken[p.parent] < shards_per_dir:
+        i = seen[p.parent]
+        seen[p.parent] += 1
+        if i >= skip_per_dir and (shards_per_dir is None or i < skip_per_dir + shards_per_dir):
           kept.append(p)
-          taken[p.parent] += 1
       paths = kept
     if not paths:
       raise FileNotFoundError(f'no shard_*.npz files in {data_dir}')

@@ -1,4 +1,5 @@
-"""Draft-head losses: forward KL to the target at temperature T, or hard-label CE (spec §C.5).
+"""Draft-head losses: forward KL to the target at temperature T, or hard-label CE (spec §C.5);
+and DSpark's ``0.1 CE + 0.9 TV + 1.0 BCE(confidence, 1 - TV)`` (:func:`dspark_block_losses`).
 
 ``L = T^2 * sum_m w_m KL(softmax(z_p[m]/T) || softmax(z_q[m]/T)) / sum_m w_m`` over active slots
 (non-anchor, valid), where ``z_p`` are the target's logits at position ``a+i-1`` and ``z_q`` the
@@ -16,7 +17,8 @@ import jax.numpy as jnp
 
 from jetspec_jax.typing import Array
 
-LOSSES = ('fkl', 'ce')
+LOSSES = ('fkl', 'ce', 'dspark')
+DSPARK_WEIGHTS = dict(ce=0.1, tv=0.9, confidence=1.0)
 
 
 class LossSums(NamedTuple):
@@ -70,8 +72,10 @@ def block_losses(
     remat: recompute each chunk's logits in the backward pass instead of keeping them (bounds
       accelerator memory; on a CPU with room to spare, ``False`` skips the recomputation).
   """
-  if loss not in LOSSES:
-    raise ValueError(f'loss must be one of {LOSSES}, got {loss!r}')
+  if loss not in ('fkl', 'ce'):
+    raise ValueError(
+      f"loss must be 'fkl' or 'ce' here ('dspark': dspark_block_losses), got {loss!r}"
+    )
   a, bs, d = head_hidden.shape
   chunk = math.gcd(a, max(1, min(chunk, a)))
 
@@ -109,3 +113,86 @@ def block_losses(
     jax.checkpoint(one_chunk) if remat else one_chunk, init, xs
   )
   return LossSums(loss_sum, weight_sum, correct, count, accepted, jnp.sum(keep))
+
+
+def dspark_block_losses(
+  head_hidden: Array,
+  teacher_hidden: Array,
+  previous: Array,
+  targets: Array,
+  valid: Array,
+  keep: Array,
+  *,
+  lm_head: Callable[[Array], Array],
+  markov_bias: Callable[[Array], Array],
+  confidence_logits: Callable[[Array, Array], Array],
+  weights: Array,
+  chunk: int = 64,
+  remat: bool = True,
+) -> LossSums:
+  """DSpark's loss sums for ``A`` blocks of one sequence (every slot predicts; next_methods §1.2).
+
+  Per slot ``k``: the draft distribution ``p_d = softmax(U_k + W1[x_{k-1}] W2)`` with the Markov
+  bias teacher-forced on the true previous token, the teacher's ``p_t`` (temperature 1),
+  ``TV = 0.5 |p_d - p_t|_1`` and the confidence ``c_k = sigmoid(w . [h_k; W1[x_{k-1}]])``;
+  ``loss = 0.1 CE(p_d, x_{k+1}) + 0.9 TV + 1.0 BCE(c_k, stop_gradient(1 - TV))``, weighted by
+  ``weights[k]``.
+
+  Args:
+    head_hidden: ``[A, gamma, D]`` the backbone's outputs (slot ``k`` predicts ``x_{a+k+1}``).
+    teacher_hidden: ``[A, gamma, D]`` the target's final hidden at ``a+k``.
+    previous: ``int32[A, gamma]`` ``x_{a+k}`` (slot 0: the anchor).
+    targets: ``int32[A, gamma]`` ``x_{a+k+1}``.
+    valid, keep, lm_head, weights, chunk, remat: as :func:`block_losses`.
+    markov_bias: previous tokens ``[...]`` -> bias ``[..., V]``.
+    confidence_logits: (hidden ``[..., D]``, previous ``[...]``) -> logits ``[...]``.
+
+  Returns:
+    :class:`LossSums` whose per-depth counts have a leading 0 (index ``k`` = depth ``k``, as
+    for the other heads).
+  """
+  a, gamma, d = head_hidden.shape
+  chunk = math.gcd(a, max(1, min(chunk, a)))
+  w_ce, w_tv, w_conf = DSPARK_WEIGHTS['ce'], DSPARK_WEIGHTS['tv'], DSPARK_WEIGHTS['confidence']
+
+  def one_chunk(carry, xs):
+    hh, th, prev, tgt, vld = xs
+    zq = lm_head(hh).astype(jnp.float32) + markov_bias(prev)
+    zp = jax.lax.stop_gradient(lm_head(th).astype(jnp.float32))
+    log_q = jax.nn.log_softmax(zq, axis=-1)
+    p_t = jax.nn.softmax(zp, axis=-1)
+    ce = -jnp.take_along_axis(log_q, tgt[..., None], axis=-1)[..., 0]
+    tv = 0.5 * jnp.sum(jnp.abs(jnp.exp(log_q) - p_t), axis=-1)
+    label = jax.lax.stop_gradient(1.0 - tv)
+    z = confidence_logits(hh, prev)
+    bce = -(label * jax.nn.log_sigmoid(z) + (1.0 - label) * jax.nn.log_sigmoid(-z))
+    per_slot = w_ce * ce + w_tv * tv + w_conf * bce
+    w = jnp.where(vld, weights[None, :], 0.0)
+    correct = (jnp.argmax(zq, -1) == tgt) & vld
+    run = jnp.sum(jnp.cumprod(correct, axis=1), axis=1)
+    out = (jnp.sum(w * per_slot), jnp.sum(w), jnp.sum(correct, 0), jnp.sum(vld, 0), jnp.sum(run))
+    return jax.tree.map(jnp.add, carry, out), None
+
+  def split(x):
+    return x.reshape((a // chunk, chunk) + x.shape[1:])
+
+  init = (
+    jnp.float32(0),
+    jnp.float32(0),
+    jnp.zeros((gamma,), jnp.int32),
+    jnp.zeros((gamma,), jnp.int32),
+    jnp.int32(0),
+  )
+  xs = tuple(map(split, (head_hidden, teacher_hidden, previous, targets, valid)))
+  (loss_sum, weight_sum, correct, count, accepted), _ = jax.lax.scan(
+    jax.checkpoint(one_chunk) if remat else one_chunk, init, xs
+  )
+  lead = jnp.zeros((1,), jnp.int32)
+  return LossSums(
+    loss_sum,
+    weight_sum,
+    jnp.concatenate([lead, correct]),
+    jnp.concatenate([lead, count]),
+    accepted,
+    jnp.sum(keep),
+  )

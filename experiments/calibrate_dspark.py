@@ -1,0 +1,99 @@
+"""Calibrates a DSpark head's confidences by sequential temperature scaling on held-out data.
+
+  python -m experiments.calibrate_dspark --head=$HOME/jetspec_runs/dspark/export \
+      --data_dir=$HOME/jetspec_runs/smollm2_data/data/greedy --fit_shards=6,1 --eval_shards=7,1 \
+      --out=assets/dspark_head_smollm2_135m --dtype=bfloat16
+
+Greedy self-distilled shards the head never trained on (``SKIP,COUNT``: skip the first SKIP
+shards, take COUNT) give, per drafted token, its confidence logit and whether greedy verification
+would accept it (:mod:`jetspec_jax.training.dspark_calibration`). Temperatures are fitted on the
+``fit`` shards; the per-position ECE of the survival ``prod c_k`` is reported on the ``eval``
+shards before and after. Writes the head with its temperatures to ``--out`` and the numbers to
+``--out/calibration.json``.
+"""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+import jetspec_jax as js
+from jetspec_jax import dspark
+from jetspec_jax.training import data as data_lib
+from jetspec_jax.training import dspark_calibration
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('head', None, 'The DSpark head to calibrate (released layout).')
+flags.DEFINE_string('target', 'smollm2_135m_instruct', 'Packaged model name or checkpoint path.')
+flags.DEFINE_string('data_dir', None, 'Greedy self-distilled shards with stored features.')
+flags.DEFINE_string('fit_shards', '6,1', 'SKIP,COUNT of the shards the temperatures are fit on.')
+flags.DEFINE_string('eval_shards', '7,1', 'SKIP,COUNT of the shards the ECE is reported on.')
+flags.DEFINE_integer('num_anchors', 16, 'Blocks per sequence.')
+flags.DEFINE_integer('max_len', 480, 'Sequence length of the data.')
+flags.DEFINE_string('out', None, 'Where the calibrated head goes.')
+flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'Parameter dtype written.')
+
+
+def shards(spec: str):
+  skip, count = (int(x) for x in spec.split(','))
+  return data_lib.TokenShards(
+    FLAGS.data_dir, FLAGS.max_len, shards_per_dir=count, skip_per_dir=skip
+  )
+
+
+def calibrate(head, target, fit_source, eval_source, num_anchors: int) -> tuple[np.ndarray, dict]:
+  fit = dspark_calibration.calibration_records(head, target, fit_source, num_anchors=num_anchors)
+  held = dspark_calibration.calibration_records(
+    head, target, eval_source, num_anchors=num_anchors, seed=1
+  )
+  temps = dspark.fit_temperatures(*fit)
+  gamma = head.cfg.block_size
+  before = dspark.survival_ece(*held, np.ones(gamma))
+  after = dspark.survival_ece(*held, temps)
+  logits, accepted, valid = held
+  alive = np.cumprod(accepted, axis=1)
+  report = dict(
+    temperatures=temps.tolist(),
+    ece_before=before.tolist(),
+    ece_after=after.tolist(),
+    mean_ece_before=float(np.nanmean(before)),
+    mean_ece_after=float(np.nanmean(after)),
+    acceptance_rate=[float(alive[valid[:, k], k].mean()) for k in range(gamma)],
+    fit_blocks=int(fit[2][:, 0].sum()),
+    eval_blocks=int(valid[:, 0].sum()),
+  )
+  return temps, report
+
+
+def main(argv):
+  del argv
+  path = FLAGS.target
+  if path in js.gguf_io.PACKAGED_MODELS:
+    path = js.gguf_io.resolve_model_path(path)
+  target = js.load_target(path)
+  head = js.load_draft_head(FLAGS.head, target, dtype=jnp.float32)
+  temps, report = calibrate(
+    head, target, shards(FLAGS.fit_shards), shards(FLAGS.eval_shards), FLAGS.num_anchors
+  )
+  report.update(
+    head=FLAGS.head,
+    data_dir=FLAGS.data_dir,
+    fit_shards=FLAGS.fit_shards,
+    eval_shards=FLAGS.eval_shards,
+    device=jax.devices()[0].device_kind,
+  )
+  out = pathlib.Path(FLAGS.out)
+  js.save_draft_head(
+    head.replace(calibration=jnp.asarray(temps)), out, dtype=jnp.dtype(FLAGS.dtype)
+  )
+  (out / 'calibration.json').write_text(json.dumps(report, indent=2))
+  logging.info('ECE per position before %s after %s', report['ece_before'], report['ece_after'])
+  print(json.dumps(report, indent=2))
+
+
+if __name__ == '__main__':
+  flags.mark_flags_as_required(['head', 'data_dir', 'out'])
+  app.run(main)
