@@ -8,7 +8,8 @@ Greedy self-distilled shards the head never trained on (``SKIP,COUNT``: skip the
 shards, take COUNT) give, per drafted token, its confidence logit and whether greedy verification
 would accept it (:mod:`jetspec_jax.training.dspark_calibration`). Temperatures are fitted on the
 ``fit`` shards; the per-position ECE of the survival ``prod c_k`` is reported on the ``eval``
-shards before and after. Writes the head with its temperatures to ``--out`` and the numbers to
+shards before and after. Writes the head to ``--out`` with its temperatures if they lower the
+held-out mean ECE (else uncalibrated, unless ``--keep_worse``) and the numbers to
 ``--out/calibration.json``.
 """
 
@@ -35,6 +36,7 @@ flags.DEFINE_integer('num_anchors', 16, 'Blocks per sequence.')
 flags.DEFINE_integer('max_len', 480, 'Sequence length of the data.')
 flags.DEFINE_string('out', None, 'Where the calibrated head goes.')
 flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'Parameter dtype written.')
+flags.DEFINE_bool('keep_worse', False, 'Store the temperatures even if held-out ECE got worse.')
 
 
 def shards(spec: str):
@@ -85,10 +87,11 @@ def main(argv):
     eval_shards=FLAGS.eval_shards,
     device=jax.devices()[0].device_kind,
   )
+  applied = FLAGS.keep_worse or report['mean_ece_after'] < report['mean_ece_before']
+  report['applied'] = bool(applied)
   out = pathlib.Path(FLAGS.out)
-  js.save_draft_head(
-    head.replace(calibration=jnp.asarray(temps)), out, dtype=jnp.dtype(FLAGS.dtype)
-  )
+  calibrated = head.replace(calibration=jnp.asarray(temps) if applied else None)
+  js.save_draft_head(calibrated, out, dtype=jnp.dtype(FLAGS.dtype))
   (out / 'calibration.json').write_text(json.dumps(report, indent=2))
   logging.info('ECE per position before %s after %s', report['ece_before'], report['ece_after'])
   print(json.dumps(report, indent=2))

@@ -9,6 +9,8 @@ Heads (same data, size and steps; training reads the target features stored with
       --config.data.dir=$HOME/jetspec_runs/smollm2_data/data --workdir=$HOME/jetspec_runs/jetspec
   python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:dflash \
       --config.data.dir=$HOME/jetspec_runs/smollm2_data/data --workdir=$HOME/jetspec_runs/dflash
+  python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:dspark \
+      --config.data.dir=$HOME/jetspec_runs/smollm2_data/data --workdir=$HOME/jetspec_runs/dspark
 Status: the shipped heads (assets/{jetspec,dflash}_head_smollm2_135m) were trained on the first 6
 shard pairs (`--config.data.shards_per_dir=6`: 768 sequences, 208,272 tokens) for 1000 steps, both
 at once on 2 cores in ~94 min each: CE 6.7 -> 4.5, tree tau (budget 32) 1.00 -> 1.40 for both on
