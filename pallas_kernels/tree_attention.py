@@ -170,6 +170,24 @@ def _kernel(
   o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
 
 
+def pack_query_rows(q: Float[Array, 'B T N H'], row_pad: int, num_kv_heads: int) -> Array:
+  """``[B, K, row_pad * G, H]``: each K/V head's ``G`` query heads packed into rows, node-major
+  (row = node * G + head), nodes zero-padded to ``row_pad``."""
+  b, t, n, h = q.shape
+  groups = n // num_kv_heads
+  q = jnp.pad(q, ((0, 0), (0, row_pad - t), (0, 0), (0, 0)))
+  q = q.reshape(b, row_pad, num_kv_heads, groups, h).transpose(0, 2, 1, 3, 4)
+  return q.reshape(b, num_kv_heads, row_pad * groups, h)
+
+
+def unpack_query_rows(rows: Array, num_new: int, groups: int) -> Array:
+  """The inverse of :func:`pack_query_rows`, padding nodes dropped: ``[B, T, N, H]``."""
+  b, kh, num_rows, h = rows.shape
+  row_pad = num_rows // groups
+  out = rows.reshape(b, kh, row_pad, groups, h).transpose(0, 2, 1, 3, 4)
+  return out.reshape(b, row_pad, kh * groups, h)[:, :num_new]
+
+
 def check_shapes(q, k_tail, v_tail, k_cache, v_cache, prefix_len, ancestors) -> None:
   """Raises a ValueError naming the first argument whose shape does not fit the others."""
   b, t, n, h = q.shape
@@ -235,10 +253,7 @@ def tree_attention(
   scale = h**-0.5 if scale is None else scale
 
   pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
-  # Rows node-major within a kv head: [B, K, row_pad * G, H].
-  q_pad = ((0, 0), (0, row_pad - t), (0, 0), (0, 0))
-  q_rows = jnp.pad(q, q_pad).reshape(b, row_pad, kh, groups, h).transpose(0, 2, 1, 3, 4)
-  q_rows = q_rows.reshape(b, kh, row_pad * groups, h)
+  q_rows = pack_query_rows(q, row_pad, kh)
   k_tail, v_tail = jnp.pad(k_tail, pad), jnp.pad(v_tail, pad)
   rows = block_q * groups
   grid = (b, kh, num_row_blocks)
@@ -277,8 +292,7 @@ def tree_attention(
     debug=debug,
     name='tree_attention',
   )(*args)
-  out = out.reshape(b, kh, row_pad, groups, h).transpose(0, 2, 1, 3, 4)
-  return out.reshape(b, row_pad, n, h)[:, :t]
+  return unpack_query_rows(out, t, groups)
 
 
 def tree_attention_reference(

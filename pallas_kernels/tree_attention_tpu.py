@@ -186,10 +186,7 @@ def tree_attention(
   bk = choose_block_k(s, block_k)
   scale = h**-0.5 if scale is None else scale
 
-  # Query rows node-major within a kv head: [B, K, row_pad * G, H]; tails head-major.
-  q_pad = ((0, 0), (0, row_pad - t), (0, 0), (0, 0))
-  q_rows = jnp.pad(q, q_pad).reshape(b, row_pad, kh, groups, h).transpose(0, 2, 1, 3, 4)
-  q_rows = q_rows.reshape(b, kh, row_pad * groups, h)
+  q_rows = gpu_kernel.pack_query_rows(q, row_pad, kh)  # [B, K, row_pad * G, H]; tails head-major
   tail_pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
   k_tail = jnp.pad(k_tail, tail_pad).transpose(0, 2, 1, 3)  # [B, K, padded, H]
   v_tail = jnp.pad(v_tail, tail_pad).transpose(0, 2, 1, 3)
@@ -247,5 +244,4 @@ def tree_attention(
     interpret=interpret,
     name='tree_attention_tpu',
   )(*args)
-  out = out.reshape(b, kh, row_pad, groups, h).transpose(0, 2, 1, 3, 4)
-  return out.reshape(b, row_pad, n, h)[:, :t]
+  return gpu_kernel.unpack_query_rows(out, t, groups)

@@ -42,6 +42,38 @@ class LossSums(NamedTuple):
   blocks: Array
 
 
+def _chunk_sums(per_slot, w, correct, valid, leading):
+  """One chunk's sums: weighted loss, weight, per-slot correct and valid counts, and the
+  leading run of correct slots (``leading`` selects the slots that count toward it)."""
+  run = jnp.sum(jnp.cumprod(leading, axis=1), axis=1)
+  return (jnp.sum(w * per_slot), jnp.sum(w), jnp.sum(correct, 0), jnp.sum(valid, 0), jnp.sum(run))
+
+
+def _scan_chunks(one_chunk, arrays, num_slots: int, chunk: int, remat: bool):
+  """Sums ``one_chunk(xs) -> sums`` over ``arrays`` (leading axis ``A``) ``chunk`` at a time,
+  each chunk's vocabulary-sized logits made inside the scan (rematerialised with ``remat``).
+
+  Returns:
+    (loss, weight, correct ``[num_slots]``, count ``[num_slots]``, accepted).
+  """
+  a = arrays[0].shape[0]
+  chunk = math.gcd(a, max(1, min(chunk, a)))
+
+  def body(carry, xs):
+    return jax.tree.map(jnp.add, carry, one_chunk(*xs)), None
+
+  init = (
+    jnp.float32(0),
+    jnp.float32(0),
+    jnp.zeros((num_slots,), jnp.int32),
+    jnp.zeros((num_slots,), jnp.int32),
+    jnp.int32(0),
+  )
+  xs = tuple(x.reshape((a // chunk, chunk) + x.shape[1:]) for x in arrays)
+  sums, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, init, xs)
+  return sums
+
+
 def block_losses(
   head_hidden: Array,
   teacher_hidden: Array,
@@ -76,11 +108,9 @@ def block_losses(
     raise ValueError(
       f"loss must be 'fkl' or 'ce' here ('dspark': dspark_block_losses), got {loss!r}"
     )
-  a, bs, d = head_hidden.shape
-  chunk = math.gcd(a, max(1, min(chunk, a)))
+  bs = head_hidden.shape[1]
 
-  def one_chunk(carry, xs):
-    hh, th, tgt, vld = xs
+  def one_chunk(hh, th, tgt, vld):
     zq = lm_head(hh).astype(jnp.float32)
     if loss == 'fkl':
       zp = jax.lax.stop_gradient(lm_head(th).astype(jnp.float32))
@@ -94,24 +124,10 @@ def block_losses(
       label = tgt
     w = jnp.where(vld, weights[None, :], 0.0)
     correct = (jnp.argmax(zq, -1) == label) & vld
-    run = jnp.sum(jnp.cumprod(correct[:, 1:], axis=1), axis=1)  # leading correct slots
-    out = (jnp.sum(w * per_slot), jnp.sum(w), jnp.sum(correct, 0), jnp.sum(vld, 0), jnp.sum(run))
-    return jax.tree.map(jnp.add, carry, out), None
+    return _chunk_sums(per_slot, w, correct, vld, correct[:, 1:])  # the anchor slot has no loss
 
-  def split(x):
-    return x.reshape((a // chunk, chunk) + x.shape[1:])
-
-  init = (
-    jnp.float32(0),
-    jnp.float32(0),
-    jnp.zeros((bs,), jnp.int32),
-    jnp.zeros((bs,), jnp.int32),
-    jnp.int32(0),
-  )
-  xs = tuple(map(split, (head_hidden, teacher_hidden, targets, valid)))
-  (loss_sum, weight_sum, correct, count, accepted), _ = jax.lax.scan(
-    jax.checkpoint(one_chunk) if remat else one_chunk, init, xs
-  )
+  arrays = (head_hidden, teacher_hidden, targets, valid)
+  loss_sum, weight_sum, correct, count, accepted = _scan_chunks(one_chunk, arrays, bs, chunk, remat)
   return LossSums(loss_sum, weight_sum, correct, count, accepted, jnp.sum(keep))
 
 
@@ -151,12 +167,10 @@ def dspark_block_losses(
     :class:`LossSums` whose per-depth counts have a leading 0 (index ``k`` = depth ``k``, as
     for the other heads).
   """
-  a, gamma, d = head_hidden.shape
-  chunk = math.gcd(a, max(1, min(chunk, a)))
+  gamma = head_hidden.shape[1]
   w_ce, w_tv, w_conf = DSPARK_WEIGHTS['ce'], DSPARK_WEIGHTS['tv'], DSPARK_WEIGHTS['confidence']
 
-  def one_chunk(carry, xs):
-    hh, th, prev, tgt, vld = xs
+  def one_chunk(hh, th, prev, tgt, vld):
     zq = lm_head(hh).astype(jnp.float32) + markov_bias(prev)
     zp = jax.lax.stop_gradient(lm_head(th).astype(jnp.float32))
     log_q = jax.nn.log_softmax(zq, axis=-1)
@@ -169,24 +183,11 @@ def dspark_block_losses(
     per_slot = w_ce * ce + w_tv * tv + w_conf * bce
     w = jnp.where(vld, weights[None, :], 0.0)
     correct = (jnp.argmax(zq, -1) == tgt) & vld
-    run = jnp.sum(jnp.cumprod(correct, axis=1), axis=1)
-    out = (jnp.sum(w * per_slot), jnp.sum(w), jnp.sum(correct, 0), jnp.sum(vld, 0), jnp.sum(run))
-    return jax.tree.map(jnp.add, carry, out), None
+    return _chunk_sums(per_slot, w, correct, vld, correct)
 
-  def split(x):
-    return x.reshape((a // chunk, chunk) + x.shape[1:])
-
-  init = (
-    jnp.float32(0),
-    jnp.float32(0),
-    jnp.zeros((gamma,), jnp.int32),
-    jnp.zeros((gamma,), jnp.int32),
-    jnp.int32(0),
-  )
-  xs = tuple(map(split, (head_hidden, teacher_hidden, previous, targets, valid)))
-  (loss_sum, weight_sum, correct, count, accepted), _ = jax.lax.scan(
-    jax.checkpoint(one_chunk) if remat else one_chunk, init, xs
-  )
+  arrays = (head_hidden, teacher_hidden, previous, targets, valid)
+  sums = _scan_chunks(one_chunk, arrays, gamma, chunk, remat)
+  loss_sum, weight_sum, correct, count, accepted = sums
   lead = jnp.zeros((1,), jnp.int32)
   return LossSums(
     loss_sum,
