@@ -17,29 +17,16 @@ import numpy as np
 from jetspec_jax import dspark
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.models import qwen3
-from jetspec_jax.training import blocks as blocks_lib
 from jetspec_jax.training import head_trainer
 
 
 @functools.partial(jax.jit, static_argnames=('num_anchors',))
 def _sequence_records(head: dh.DraftHead, target: qwen3.Target, item: dict, key, num_anchors: int):
   cfg = head.cfg
-  gamma = cfg.block_size
   num_tap = cfg.num_taps * cfg.hidden_size
   features = item['features'][:, :num_tap].astype(head.dtype)
-  blk = blocks_lib.make_blocks(
-    key,
-    item['tokens'],
-    item['loss_mask'],
-    item['lengths'],
-    num_anchors=num_anchors,
-    block_size=gamma + 1,
-    mask_token_id=cfg.mask_token_id,
-  )
-  inputs = blk._replace(
-    tokens=blk.tokens[:, :gamma],
-    positions=blk.positions[:, :gamma],
-    context_mask=blk.context_mask[:, :gamma],
+  blk, inputs = head_trainer.dspark_blocks(
+    key, item['tokens'], item['loss_mask'], item['lengths'], cfg, num_anchors
   )
   hidden = head_trainer.head_block_outputs(head.params, cfg, target, features, inputs)
   draft = dspark.draft_chain(head, target, hidden, blk.targets[:, 0], key, 0.0)

@@ -76,6 +76,31 @@ def head_block_outputs(
   )
 
 
+def dspark_blocks(key, tokens, loss_mask, length, head_cfg: dh.DraftHeadConfig, num_anchors: int):
+  """A DSpark head's blocks: slot ``k`` predicts ``x_{a+k+1}``, so blocks of ``bs + 1``
+  positions give the targets and their first ``bs`` slots are the head's inputs.
+
+  Returns:
+    (the ``bs + 1``-slot blocks: targets, validity, keep; the ``bs``-slot input blocks).
+  """
+  bs = head_cfg.block_size
+  blk = blocks_lib.make_blocks(
+    key,
+    tokens,
+    loss_mask,
+    length,
+    num_anchors=num_anchors,
+    block_size=bs + 1,
+    mask_token_id=head_cfg.mask_token_id,
+  )
+  inputs = blk._replace(
+    tokens=blk.tokens[:, :bs],
+    positions=blk.positions[:, :bs],
+    context_mask=blk.context_mask[:, :bs],
+  )
+  return blk, inputs
+
+
 def sequence_sums(
   params,
   head_cfg: dh.DraftHeadConfig,
@@ -95,25 +120,11 @@ def sequence_sums(
       f'a {head_cfg.kind} head cannot train with loss={settings.loss!r} '
       "(loss='dspark' trains exactly the DSpark heads)"
     )
-  # A DSpark block's slot k predicts x_{a+k+1}: blocks of bs + 1 positions give its targets.
   span = head_cfg.block_size + int(is_dspark)
-  blk = blocks_lib.make_blocks(
-    key,
-    tokens,
-    loss_mask,
-    length,
-    num_anchors=settings.num_anchors,
-    block_size=span,
-    mask_token_id=head_cfg.mask_token_id,
-  )
   weights = blocks_lib.depth_weights(span, settings.gamma)
   if is_dspark:
     bs = head_cfg.block_size
-    inputs = blk._replace(
-      tokens=blk.tokens[:, :bs],
-      positions=blk.positions[:, :bs],
-      context_mask=blk.context_mask[:, :bs],
-    )
+    blk, inputs = dspark_blocks(key, tokens, loss_mask, length, head_cfg, settings.num_anchors)
     out = head_block_outputs(params, head_cfg, target, features, inputs)
     teacher = hidden[jnp.clip(inputs.positions, 0, tokens.shape[0] - 1)]
     return losses.dspark_block_losses(
@@ -130,6 +141,15 @@ def sequence_sums(
       chunk=settings.loss_chunk,
       remat=settings.remat,
     )
+  blk = blocks_lib.make_blocks(
+    key,
+    tokens,
+    loss_mask,
+    length,
+    num_anchors=settings.num_anchors,
+    block_size=span,
+    mask_token_id=head_cfg.mask_token_id,
+  )
   out = head_block_outputs(params, head_cfg, target, features, blk)
   teacher = hidden[jnp.clip(blk.positions - 1, 0, tokens.shape[0] - 1)]
   return losses.block_losses(
