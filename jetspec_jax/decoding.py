@@ -17,13 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import dspark as dspark_lib
+from jetspec_jax import jetspecpp as jetspecpp_lib
 from jetspec_jax import rounds as rounds_lib
 from jetspec_jax import tree as tree_lib
 from jetspec_jax.models import draft_head as draft_head_lib
 from jetspec_jax.models import qwen3
 from jetspec_jax.rounds import Sampling, TreeSettings
 
-METHODS = ('ar', 'chain', 'tree', 'dspark')
+METHODS = ('ar', 'chain', 'tree', 'dspark', 'jetspecpp')
+# The methods that run exactly one head kind (the others run JetSpec and DFlash heads).
+HEAD_METHODS = {'dspark': 'dspark', 'jetspecpp': 'jetspecpp'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +39,15 @@ class GenerationStats:
     rounds: target forwards after prefill (decode steps or verify rounds).
     new_tokens: tokens returned (the prefill's first token included).
     wall_s: wall time of the call, device work included.
+    round_stats: the method's counters summed over this sequence's rounds (JetSpec++: slot
+      guesses fed, checked and correct: :mod:`jetspec_jax.jetspecpp`).
   """
 
   tau: np.ndarray
   rounds: int
   new_tokens: int
   wall_s: float
+  round_stats: dict = dataclasses.field(default_factory=dict)
 
   @property
   def mean_tau(self) -> float:
@@ -160,7 +166,7 @@ def _truncate(tokens: np.ndarray, n: int, max_new_tokens: int, eos: tuple[int, .
   return tokens
 
 
-def _collect(out, counts, wall, max_new_tokens, eos, taus=None, rounds=None):
+def _collect(out, counts, wall, max_new_tokens, eos, taus=None, rounds=None, stats=None):
   """Per-sequence outputs from the device loop's buffers (AR when ``taus`` is None)."""
   results = []
   for i in range(out.shape[0]):
@@ -169,8 +175,11 @@ def _collect(out, counts, wall, max_new_tokens, eos, taus=None, rounds=None):
       tau, num_rounds = np.ones((len(tokens) - 1,), np.int32), len(tokens) - 1
     else:
       tau, num_rounds = np.asarray(taus[i, : int(rounds[i])]), int(rounds[i])
-    stats = GenerationStats(tau=tau, rounds=num_rounds, new_tokens=len(tokens), wall_s=wall)
-    results.append(GenerateOutput(tokens=tokens, stats=stats))
+    counters = {k: int(v[i]) for k, v in (stats or {}).items()}
+    summary = GenerationStats(
+      tau=tau, rounds=num_rounds, new_tokens=len(tokens), wall_s=wall, round_stats=counters
+    )
+    results.append(GenerateOutput(tokens=tokens, stats=summary))
   return results
 
 
@@ -252,6 +261,8 @@ def generate(
   tree_algorithm: str = 'accum_logp',
   verify_length: str = 'threshold',
   threshold: float = 0.5,
+  recycle: bool = True,
+  refine_passes: int = 0,
   min_prompt_bucket: int = 0,
   min_capacity: int = 0,
 ) -> GenerateOutput | list[GenerateOutput]:
@@ -265,9 +276,11 @@ def generate(
     max_new_tokens: most tokens to return (EOS included).
     method: ``'ar'`` (autoregressive), ``'chain'`` (the head's top-1 block verified as a chain,
       the DFlash baseline), ``'tree'`` (JetSpec) or ``'dspark'`` (a DSpark head's sequential
-      chain, verified up to a confidence-chosen length: :mod:`jetspec_jax.dspark`).
-    budget: tree nodes per round, root included (``'tree'``).
-    width: candidates per depth (``'tree'``).
+      chain, verified up to a confidence-chosen length: :mod:`jetspec_jax.dspark`) or
+      ``'jetspecpp'`` (a JetSpec++ head's tree, its block seeded with the previous round's
+      draft and refined: :mod:`jetspec_jax.jetspecpp`).
+    budget: tree nodes per round, root included (``'tree'``, ``'jetspecpp'``).
+    width: candidates per depth (``'tree'``, ``'jetspecpp'``).
     temperature: 0 for greedy; otherwise sample-and-match acceptance (exact).
     top_p: nucleus filtering of the target's distribution when sampling.
     top_k: top-k filtering of the target's distribution when sampling (0: off).
@@ -280,6 +293,9 @@ def generate(
       scheduler over the batch, with a rounds-per-second table (draft + verify at each verify
       width) profiled once on this device: :func:`jetspec_jax.dspark.profile_sps`).
     threshold: the survival threshold of ``verify_length='threshold'`` (0: verify every token).
+    recycle: ``'jetspecpp'``: seed each block's slots with the previous draft of their positions
+      (False: MASK slots, i.e. the JetSpec round with this head).
+    refine_passes: ``'jetspecpp'``: extra head passes per round, each fed the last pass's trunk.
     min_prompt_bucket: pad the prompt to at least this many positions (shared compilations).
     min_capacity: cache capacity of at least this many slots (shared compilations).
 
@@ -316,11 +332,12 @@ def generate(
     raise ValueError(f'method={method!r} needs a draft head')
   draft_head_lib.check_fits_target(head.cfg, target.cfg)
   bs = head.cfg.block_size
-  if (method == 'dspark') != (head.cfg.kind == 'dspark'):
-    raise ValueError(
-      f"method={method!r} cannot run a {head.cfg.kind} head (method='dspark' "
-      'runs exactly the DSpark heads)'
-    )
+  for special, kind in HEAD_METHODS.items():
+    if (method == special) != (head.cfg.kind == kind):
+      raise ValueError(
+        f'method={method!r} cannot run a {head.cfg.kind} head '
+        f'(method={special!r} runs exactly the {kind} heads)'
+      )
   round_data = None
   if method == 'dspark':
     round_fn = dspark_lib.DSparkRound(verify_length, float(threshold))
@@ -338,7 +355,10 @@ def generate(
         f'tree_algorithm must be one of {sorted(tree_lib.TREE_BUILDERS)}, got {tree_algorithm!r}'
       )
     settings = TreeSettings(budget=int(budget), width=int(width), algorithm=tree_algorithm)
-    round_fn = rounds_lib.TreeRound(settings)
+    if method == 'jetspecpp':
+      round_fn = jetspecpp_lib.JetSpecPPRound(settings, bool(recycle), int(refine_passes))
+    else:
+      round_fn = rounds_lib.TreeRound(settings)
     overhang = settings.budget
   prompts, lengths, capacity = _prepare_prompts(
     target, prompt_list, max_new_tokens, overhang + bs, min_prompt_bucket, min_capacity
@@ -348,7 +368,7 @@ def generate(
     sps = dspark_lib.profile_sps(target, len(prompt_list), capacity, widths, head=head)
     round_data = jnp.asarray(sps)
   start = time.perf_counter()
-  out, n, taus, rounds = rounds_lib.speculative_loop(
+  out, n, taus, rounds, stats = rounds_lib.speculative_loop(
     target,
     head,
     prompts,
@@ -360,8 +380,9 @@ def generate(
     sampling=sampling,
     round_fn=round_fn,
   )
-  out, n, taus, rounds = jax.device_get((out, n, taus, rounds))
-  results = _collect(out, n, time.perf_counter() - start, max_new_tokens, eos, taus, rounds)
+  out, n, taus, rounds, stats = jax.device_get((out, n, taus, rounds, stats))
+  wall = time.perf_counter() - start
+  results = _collect(out, n, wall, max_new_tokens, eos, taus, rounds, stats)
   return results if batch else results[0]
 
 

@@ -180,6 +180,9 @@ class RoundState:
     num_pending: ``int32[B]`` valid rows of ``pending``.
     anchor: ``int32[B]`` committed token ``P`` (the last one; the target has not read it yet).
     key: PRNG key.
+    guesses: JetSpec++ only: ``int32[B, D]`` the last draft's tokens (its rank-1 trunk), at
+      positions ``guess_pos[b] + i`` (:mod:`jetspec_jax.jetspecpp`); None for other rounds.
+    guess_pos: ``int32[B]`` position of ``guesses[:, 0]``.
   """
 
   cache: KVCache
@@ -188,6 +191,8 @@ class RoundState:
   num_pending: Array
   anchor: Array
   key: jax.Array
+  guesses: Array | None = None
+  guess_pos: Array | None = None
 
 
 @flax.struct.dataclass
@@ -206,6 +211,8 @@ class RoundOutput:
     draft_logits: ``[B, D, V]`` the head's per-depth logits (DSpark: those each token was drawn
       from).
     verify_len: ``int32[B]`` drafted tokens sent to verification (DSpark rounds).
+    stats: ``{name: int32[B]}`` counters a method reports per round (JetSpec++: how many of its
+      slot guesses were fed, checked against committed tokens and correct); the loop sums them.
   """
 
   committed: Array
@@ -216,6 +223,7 @@ class RoundOutput:
   path: Array | None = None
   draft_logits: Array | None = None
   verify_len: Array | None = None
+  stats: dict | None = None
 
 
 Choose = Callable[[tree_lib.Tree, Array, jax.Array], Array]
@@ -257,9 +265,26 @@ def speculative_round(
   it samples the verified logits with ``sampling`` (greedy: argmax). Anything else (a benchmark
   forcing a fixed acceptance) is passed in, never built into the round.
   """
-  max_depth = head.cfg.max_depth
   draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
   draft_logits = head.propose_cached(target, draft_cache, state.anchor)  # [B, depth, V]
+  return verify_tree_round(
+    target, head, state, draft_cache, draft_logits, sampling, tree_settings, choose
+  )
+
+
+def verify_tree_round(
+  target: qwen3.Target,
+  head: draft_head_lib.DraftHead,
+  state: RoundState,
+  draft_cache: KVCache,
+  draft_logits: Array,
+  sampling: Sampling,
+  tree_settings: TreeSettings,
+  choose: Choose | None = None,
+) -> tuple[RoundState, RoundOutput]:
+  """The rest of a tree round, from the per-depth ``draft_logits [B, D, V]``: tree -> verify ->
+  accept -> commit. ``draft_cache`` already holds the committed context's features."""
+  max_depth = head.cfg.max_depth
   ids, logprobs = tree_lib.topk_per_depth(draft_logits, tree_settings.width)
   builder = functools.partial(
     tree_lib.TREE_BUILDERS[tree_settings.algorithm], budget=tree_settings.budget
@@ -281,7 +306,14 @@ def speculative_round(
   rows = jnp.arange(bonus.shape[0])
   committed = committed.at[rows, accepted.num_accepted].set(bonus)
   tau = accepted.num_accepted + 1
-  new_state = RoundState(cache, draft_cache, pending, tau, bonus, key)
+  new_state = state.replace(
+    cache=cache,
+    draft_cache=draft_cache,
+    pending=pending,
+    num_pending=tau,
+    anchor=bonus,
+    key=key,
+  )
   out = RoundOutput(committed, tau, tree, anc, choices, accepted.path, draft_logits)
   return new_state, out
 
@@ -320,16 +352,21 @@ def speculative_loop(
     prompts: ``int32[B, Pb]`` right-padded prompts; ``prompt_lens``: ``int32[B]``.
     round_data: arrays the round reads (e.g. DSpark's steps-per-second table), or None.
     round_fn: ``round_fn(target, head, state, sampling, round_data) -> (state, RoundOutput)``,
+      optionally with ``init_state(head, state) -> state`` and ``stat_names`` (the counters of
+      its ``RoundOutput.stats``),
       static and hashable (:class:`TreeRound`, :class:`jetspec_jax.dspark.DSparkRound`).
 
   Returns:
     (tokens ``[B, max_new_tokens + max_depth + 1]``, counts ``[B]``, tau per round
-    ``[B, max_new_tokens]``, rounds ``[B]``). Tokens past ``counts`` are scratch.
+    ``[B, max_new_tokens]``, rounds ``[B]``, stats): tokens past ``counts`` are scratch;
+    ``stats`` sums each row's :attr:`RoundOutput.stats` over its rounds (``{}`` if none).
   """
   b, bs = prompts.shape[0], head.cfg.max_depth + 1
   state = start_rounds(
     target, head, prompts, prompt_lens, key, capacity=capacity, sampling=sampling
   )
+  if hasattr(round_fn, 'init_state'):  # a round that carries more (JetSpec++: its guesses)
+    state = round_fn.init_state(head, state)
   out = jnp.zeros((b, max_new_tokens + bs), jnp.int32).at[:, 0].set(state.anchor)
   taus = jnp.zeros((b, max_new_tokens), jnp.int32)
   rows = jnp.arange(b)
@@ -342,18 +379,20 @@ def speculative_loop(
     return jnp.any(active(n, done))
 
   def body(carry):
-    n, rounds, done, out, taus, state = carry
+    n, rounds, done, out, taus, stats, state = carry
     live = active(n, done)
     state, step = round_fn(target, head, state, sampling, round_data)
+    stats = {k: v + jnp.where(live, step.stats[k], 0) for k, v in stats.items()}
     committed, tau = step.committed, step.tau
     written = jax.vmap(lambda o, c, i: jax.lax.dynamic_update_slice(o, c, (i,)))(out, committed, n)
     out = jnp.where(live[:, None], written, out)
     hit = jnp.any(sampling.is_eos(committed) & (jnp.arange(bs)[None] < tau[:, None]), axis=1)
     taus = taus.at[rows, rounds].set(jnp.where(live, tau, taus[rows, rounds]), mode='drop')
     live_i = live.astype(jnp.int32)
-    return n + live_i * tau, rounds + live_i, done | (live & hit), out, taus, state
+    return n + live_i * tau, rounds + live_i, done | (live & hit), out, taus, stats, state
 
+  stats = {k: jnp.zeros((b,), jnp.int32) for k in getattr(round_fn, 'stat_names', ())}
   n0 = jnp.ones((b,), jnp.int32)
-  init = (n0, jnp.zeros((b,), jnp.int32), sampling.is_eos(state.anchor), out, taus, state)
-  n, rounds, _, out, taus, _ = jax.lax.while_loop(cond, body, init)
-  return out, n, taus, rounds
+  init = (n0, jnp.zeros((b,), jnp.int32), sampling.is_eos(state.anchor), out, taus, stats, state)
+  n, rounds, _, out, taus, stats, _ = jax.lax.while_loop(cond, body, init)
+  return out, n, taus, rounds, stats

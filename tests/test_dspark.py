@@ -87,7 +87,7 @@ def test_greedy_scheduler_equals_autoregressive(target, heads, prompts, ar_outpu
   head = heads[6]
   padded, lengths, capacity = decoding._prepare_prompts(target, prompts, 30, extra=16)
   sps = jnp.asarray(1.0 / (1.0 + 0.15 * np.arange(7)), jnp.float32)  # width 1..7
-  out, n, taus, _ = rounds.speculative_loop(
+  out, n, taus, _, _ = rounds.speculative_loop(
     target,
     head,
     padded,

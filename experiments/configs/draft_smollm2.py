@@ -11,6 +11,8 @@ Heads (same data, size and steps; training reads the target features stored with
       --config.data.dir=$HOME/jetspec_runs/smollm2_data/data --workdir=$HOME/jetspec_runs/dflash
   python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:dspark \
       --config.data.dir=$HOME/jetspec_runs/smollm2_data/data --workdir=$HOME/jetspec_runs/dspark
+  python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:jetspecpp \
+      --config.data.dir=$HOME/jetspec_runs/smollm2_data/data --workdir=$HOME/jetspec_runs/jetspecpp
 Status: the shipped heads (assets/{jetspec,dflash}_head_smollm2_135m) were trained on the first 6
 shard pairs (`--config.data.shards_per_dir=6`: 768 sequences, 208,272 tokens) for 1000 steps, both
 at once on 2 cores in ~94 min each: CE 6.7 -> 4.5, tree tau (budget 32) 1.00 -> 1.40 for both on
@@ -45,6 +47,7 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       mask_token_id=0,  # '<|endoftext|>': never inside a chat turn, so free to mean MASK
       init_from_target_layers=False,  # start head layers as copies of the target's last layers
       markov_rank=0,
+      refine=False,  # a JetSpec++ head (jetspec_jax/jetspecpp.py)
     )
   )
   config.data = ml_collections.ConfigDict(
@@ -96,6 +99,11 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     config.head.update(block_size=7, causal=False, markov_rank=256)
     config.train.update(loss='dspark', gamma=4.0)
     config.eval.update(method='dspark', threshold=0.0)  # chain tau: verify every token
+  if arg == 'jetspecpp':
+    # JetSpec++: the JetSpec head plus draft_embed; each step's 16 blocks per sequence are 8
+    # clean blocks and the 8 refine blocks after them (same block count, so the same cost).
+    config.head.update(refine=True)
+    config.eval.update(method='jetspecpp')
   if arg == 'tiny':  # a smoke test of the pipeline (tests)
     config.data.update(
       num_instructions=4,

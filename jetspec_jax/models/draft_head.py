@@ -51,6 +51,9 @@ class DraftHeadConfig:
     markov_rank: ``> 0`` makes a DSpark head (:mod:`jetspec_jax.dspark`): a bidirectional
       backbone whose anchor slot predicts too (block ``bs`` drafts ``bs`` tokens), a rank-``r``
       Markov bias over the previous drafted token, and a confidence head.
+    refine: a JetSpec++ head (:mod:`jetspec_jax.jetspecpp`): causal, and its draft slots may
+      hold *guessed* tokens instead of MASK (embedded as ``embed(token) + draft_embed``, one
+      learned vector marking a token as unverified); with every slot MASK it is a JetSpec head.
   """
 
   hidden_size: int
@@ -69,6 +72,7 @@ class DraftHeadConfig:
   rms_norm_eps: float = 1e-6
   max_position_embeddings: int = 40960
   markov_rank: int = 0
+  refine: bool = False
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -85,6 +89,8 @@ class DraftHeadConfig:
       raise ValueError(f'{self.markov_rank=} must be >= 0')
     if self.markov_rank and self.causal:
       raise ValueError('a DSpark head (markov_rank > 0) has a bidirectional backbone: causal=False')
+    if self.refine and (self.markov_rank or not self.causal):
+      raise ValueError('a JetSpec++ head (refine=True) is causal and has no Markov stage')
 
   @property
   def num_taps(self) -> int:
@@ -92,9 +98,11 @@ class DraftHeadConfig:
 
   @property
   def kind(self) -> str:
-    """``'dspark'``, ``'jetspec'`` (causal) or ``'dflash'`` (bidirectional)."""
+    """``'dspark'``, ``'jetspecpp'``, ``'jetspec'`` (causal) or ``'dflash'`` (bidirectional)."""
     if self.markov_rank:
       return 'dspark'
+    if self.refine:
+      return 'jetspecpp'
     return 'jetspec' if self.causal else 'dflash'
 
   @property
@@ -121,6 +129,7 @@ def config_for_target(
   mask_token_id: int | None = None,
   intermediate_size: int | None = None,
   markov_rank: int = 0,
+  refine: bool = False,
 ) -> DraftHeadConfig:
   """A head config that fits ``target_cfg`` (same width, heads, vocab and RoPE)."""
   if target_layer_ids is None:
@@ -142,6 +151,7 @@ def config_for_target(
     rms_norm_eps=target_cfg.rms_norm_eps,
     max_position_embeddings=target_cfg.max_position_embeddings,
     markov_rank=markov_rank,
+    refine=refine,
   )
 
 
@@ -325,6 +335,8 @@ def init_head_params(cfg: DraftHeadConfig, key, dtype=jnp.float32) -> dict:
   )['params']
   if cfg.markov_rank:
     params = dict(params, **init_dspark_params(cfg, markov_key, dtype))
+  if cfg.refine:  # zeros: an untrained JetSpec++ head reads a guess as its plain embedding
+    params = dict(params, draft_embed=jnp.zeros((cfg.hidden_size,), dtype))
   return params
 
 
@@ -349,8 +361,21 @@ def init_dspark_params(cfg: DraftHeadConfig, key, dtype=jnp.float32) -> dict:
 
 
 def backbone_params(params: dict) -> dict:
-  """The transformer part of a head's parameters (a DSpark head's extra stages dropped)."""
-  return {k: v for k, v in params.items() if k not in ('markov', 'confidence')}
+  """The transformer part of a head's parameters (DSpark's and JetSpec++'s extras dropped)."""
+  return {k: v for k, v in params.items() if k not in ('markov', 'confidence', 'draft_embed')}
+
+
+def embed_block(
+  cfg: DraftHeadConfig, params: dict, embed, tokens: Int[Array, '*B T'], guessed=None
+) -> Array:
+  """Block inputs: ``embed(tokens)``, plus ``draft_embed`` where ``guessed`` (JetSpec++ slots
+  holding a guessed token instead of MASK). ``embed`` is the target's (frozen) embedding."""
+  x = embed(tokens)
+  if guessed is None:
+    return x
+  if not cfg.refine:
+    raise ValueError(f'a {cfg.kind} head cannot read guessed tokens (only a jetspecpp head)')
+  return x + jnp.where(guessed[..., None], params['draft_embed'].astype(x.dtype), 0)
 
 
 def init_from_target_layers(
@@ -488,15 +513,24 @@ class DraftHead:
     )
 
   def block_hidden(
-    self, target: qwen3.Target, cache: kv_lib.KVCache, anchor: Int[Array, ' B']
+    self,
+    target: qwen3.Target,
+    cache: kv_lib.KVCache,
+    anchor: Int[Array, ' B'],
+    guesses: Int[Array, 'B depth'] | None = None,
   ) -> Float[Array, 'B T D']:
     """The final-normed outputs ``[B, bs, D]`` of the block ``[anchor, MASK, ...]`` anchored
     after the context (the anchor sits at position ``cache.lengths``, the first token without a
-    feature row); the block's tokens are embedded by ``target``."""
+    feature row); the block's tokens are embedded by ``target``. A JetSpec++ head may be given
+    ``guesses [B, bs-1]``: the token guessed for each draft slot, ``-1`` for MASK."""
     cfg = self.cfg
     b, bs = anchor.shape[0], cfg.block_size
     ids = jnp.full((b, bs), cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
-    x = target.embed(ids).astype(self.dtype)
+    guessed = None
+    if guesses is not None:
+      guessed = jnp.pad(guesses >= 0, ((0, 0), (1, 0)))
+      ids = jnp.where(guessed, jnp.pad(guesses, ((0, 0), (1, 0))), ids)
+    x = embed_block(cfg, self.params, target.embed, ids, guessed).astype(self.dtype)
     anchor_pos = cache.lengths
     positions = anchor_pos[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
     ctx_mask, blk_mask = block_mask(cfg, anchor_pos, cache.capacity)
@@ -506,12 +540,17 @@ class DraftHead:
     )
 
   def propose_cached(
-    self, target: qwen3.Target, cache: kv_lib.KVCache, anchor: Int[Array, ' B']
+    self,
+    target: qwen3.Target,
+    cache: kv_lib.KVCache,
+    anchor: Int[Array, ' B'],
+    guesses: Int[Array, 'B depth'] | None = None,
   ) -> Float[Array, 'B depth V']:
     """Per-depth logits ``[B, bs-1, V]`` (float32) for the block anchored after the context,
     scored by ``target``'s LM head (row ``i`` predicts depth ``i + 1``). A DSpark head's base
-    logits ``U`` (no Markov bias) are ``[B, bs, V]``: its anchor slot predicts depth 1."""
-    hidden = self.block_hidden(target, cache, anchor)
+    logits ``U`` (no Markov bias) are ``[B, bs, V]``: its anchor slot predicts depth 1. A
+    JetSpec++ head's slots may hold ``guesses`` (:meth:`block_hidden`)."""
+    hidden = self.block_hidden(target, cache, anchor, guesses)
     if not self.cfg.markov_rank:
       hidden = hidden[:, 1:]
     return target.lm_logits(hidden.astype(target.dtype)).astype(jnp.float32)
@@ -550,11 +589,13 @@ def random_draft_head(
   target_layer_ids: tuple[int, ...] | None = None,
   scale: float = 1.0,
   markov_rank: int = 0,
+  refine: bool = False,
 ) -> DraftHead:
   """A randomly initialised head that fits ``target`` (``scale`` multiplies the weights).
 
   With ``markov_rank`` a DSpark head (bidirectional) whose Markov bias is random too (a trained
-  head's starts at zero), so tests see a bias that depends on the previous token.
+  head's starts at zero), so tests see a bias that depends on the previous token. With
+  ``refine`` a JetSpec++ head whose ``draft_embed`` is random too (a trained head's starts at 0).
   """
   cfg = config_for_target(
     target.cfg,
@@ -563,8 +604,12 @@ def random_draft_head(
     causal=causal and not markov_rank,
     target_layer_ids=target_layer_ids,
     markov_rank=markov_rank,
+    refine=refine,
   )
   params = init_head_params(cfg, jax.random.key(seed), target.dtype)
+  if refine:
+    draft_embed = jax.random.normal(jax.random.key(seed + 2), (cfg.hidden_size,))
+    params['draft_embed'] = draft_embed.astype(target.dtype)
   if markov_rank:
     proj = jax.random.normal(jax.random.key(seed + 1), params['markov']['proj'].shape)
     params['markov'] = dict(params['markov'], proj=proj.astype(target.dtype))

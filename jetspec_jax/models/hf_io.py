@@ -281,6 +281,8 @@ def _head_rules(cfg: draft_head.DraftHeadConfig) -> Iterator[_Rule]:
     yield ('markov', 'proj'), 'markov_head.proj.weight', _t, _t
     yield ('confidence', 'kernel'), 'confidence_head.weight', _row_out, _row_in
     yield ('confidence', 'bias'), 'confidence_head.bias', _row_out, _row_in
+  if cfg.refine:  # JetSpec++: the vector added to a guessed token's embedding
+    yield ('draft_embed',), 'draft_embed.weight', _ident, _ident
 
 
 def _row_out(x):  # torch Linear(n, 1) weight [1, n] / bias [1] -> [n] / []
@@ -484,16 +486,19 @@ def head_config_from_hf(hf: Mapping) -> draft_head.DraftHeadConfig:
     rms_norm_eps=hf.get('rms_norm_eps', 1e-6),
     max_position_embeddings=hf.get('max_position_embeddings', 40960),
     markov_rank=_markov_rank(dflash),
+    refine=dflash.get('head_kind') == 'jetspecpp',
   )
 
 
-HEAD_KINDS = ('jetspec', 'dflash', 'dspark')
+HEAD_KINDS = ('jetspec', 'dflash', 'dspark', 'jetspecpp')
 
 
 def _markov_rank(dflash: Mapping) -> int:
   kind = dflash.get('head_kind', 'jetspec' if dflash.get('causal_head') else 'dflash')
   if kind not in HEAD_KINDS:
     raise CheckpointError(f'unknown head_kind {kind!r}; this library reads {HEAD_KINDS}')
+  if kind == 'jetspecpp' and not dflash.get('causal_head'):
+    raise CheckpointError('a jetspecpp head config.json needs dflash_config.causal_head = true')
   if kind != 'dspark':
     return 0
   if not dflash.get('markov_rank'):
@@ -513,8 +518,10 @@ def head_config_to_hf(cfg: draft_head.DraftHeadConfig, dtype=jnp.float32) -> dic
       causal_head=cfg.causal,
       target_layer_ids=list(cfg.target_layer_ids),
       mask_token_id=cfg.mask_token_id,
-      # Only a DSpark head names its kind: JetSpec / DFlash configs stay the released ones.
+      # Only DSpark and JetSpec++ heads name their kind: JetSpec / DFlash configs stay the
+      # released ones.
       **({'head_kind': 'dspark', 'markov_rank': cfg.markov_rank} if cfg.markov_rank else {}),
+      **({'head_kind': 'jetspecpp'} if cfg.refine else {}),
     ),
   )
 
@@ -522,7 +529,7 @@ def head_config_to_hf(cfg: draft_head.DraftHeadConfig, dtype=jnp.float32) -> dic
 def load_draft_head(
   path: str | os.PathLike, target: qwen3.Target, *, dtype=None
 ) -> draft_head.DraftHead:
-  """Loads a JetSpec / DFlash / DSpark head checkpoint and binds it to ``target``.
+  """Loads a JetSpec / DFlash / DSpark / JetSpec++ head checkpoint and binds it to ``target``.
 
   The kind comes from ``config.json`` (``dflash_config.head_kind``; without it, ``causal_head``
   tells JetSpec from DFlash); a DSpark head also reads its Markov and confidence tensors and,

@@ -35,6 +35,8 @@ class Blocks(NamedTuple):
     targets: ``int32[A, bs]`` ``x_{a+i}`` (0 where out of range).
     valid: ``bool[A, bs]`` slots with a loss.
     context_mask: ``bool[A, bs, L]`` context positions each query sees (``j < a``).
+    guessed: ``bool[A, bs]`` slots holding a guessed token instead of MASK (JetSpec++ refine
+      blocks: :func:`refine_blocks`), or None.
   """
 
   anchors: Int[Array, ' anchors']
@@ -44,6 +46,7 @@ class Blocks(NamedTuple):
   targets: Int[Array, 'anchors T']
   valid: Bool[Array, 'anchors T']
   context_mask: Bool[Array, 'anchors T L']
+  guessed: Bool[Array, 'anchors T'] | None = None
 
 
 def valid_anchor_positions(loss_mask: Array, length: Array) -> Bool[Array, ' L']:
@@ -87,8 +90,13 @@ def make_blocks(
   mask_token_id: int,
 ) -> Blocks:
   """Samples anchors and builds the blocks, targets and masks of one sequence."""
-  seq_len = tokens.shape[0]
   anchors, keep = sample_anchors(key, loss_mask, length, num_anchors)
+  return blocks_at(anchors, keep, tokens, loss_mask, length, block_size, mask_token_id)
+
+
+def blocks_at(anchors, keep, tokens, loss_mask, length, block_size: int, mask_token_id: int):
+  """The blocks ``[x_a, MASK x (bs-1)]`` at given ``anchors`` (``keep``: real blocks)."""
+  seq_len = tokens.shape[0]
   slot = jnp.arange(block_size)[None, :]
   positions = anchors[:, None] + slot
   in_range = positions < length
@@ -97,7 +105,8 @@ def make_blocks(
   valid = keep[:, None] & (slot > 0) & in_range & (loss_mask[gathered] > 0)
   # Cut at the first invalid slot after the anchor (the anchor slot itself has no loss).
   valid = jnp.cumprod(valid | (slot == 0), axis=1).astype(bool) & (slot > 0)
-  block_tokens = jnp.where(slot == 0, tokens[anchors][:, None], mask_token_id)
+  anchor_tokens = tokens[jnp.clip(anchors, 0, seq_len - 1)]
+  block_tokens = jnp.where(slot == 0, anchor_tokens[:, None], mask_token_id)
   context_mask = jnp.arange(seq_len)[None, None, :] < anchors[:, None, None]
   context_mask = jnp.broadcast_to(context_mask, (anchors.shape[0], block_size, seq_len))
   context_mask = context_mask & keep[:, None, None]
@@ -109,6 +118,49 @@ def make_blocks(
     targets.astype(jnp.int32),
     valid,
     context_mask,
+  )
+
+
+def refine_blocks(
+  clean: Blocks,
+  guesses: Int[Array, 'anchors depth'],
+  tokens: Int[Array, ' L'],
+  loss_mask: Array,
+  length: Array,
+  mask_token_id: int,
+  in_round: Bool[Array, ' anchors'] | None = None,
+) -> Blocks:
+  """JetSpec++ refine blocks: where the next round's block sits after each clean block.
+
+  ``guesses[k]`` is the clean block ``k``'s draft (its argmax at depths ``1..D``, no gradient).
+  The round it stands for accepts ``acc`` = the leading run of correct guesses, so the next block
+  is anchored at ``a' = a + acc + 1`` (on the committed bonus token ``x_{a'}``), and its slot ``i``
+  (position ``a' + i``) holds the old guess for that position (``guesses[k, acc + i]``) while one
+  exists, MASK after: exactly what :func:`jetspec_jax.jetspecpp.realign` feeds at inference. The
+  block sees context ``< a'`` only, and its guesses depend on context ``< a`` and on ``x_a``, so
+  nothing at or after ``a' + 1`` reaches it; a block whose anchor is no valid anchor is dropped.
+  Where ``in_round``, the block is instead the clean block itself fed its own draft (anchor
+  ``a``, slot ``i`` holds ``guesses[k, i-1]``): an in-round refinement pass
+  (``refine_passes`` of :func:`jetspec_jax.jetspecpp.refined_logits`).
+  """
+  bs = clean.tokens.shape[1]
+  depth = bs - 1
+  correct = (guesses == clean.targets[:, 1:]) & clean.valid[:, 1:]
+  accepted = jnp.sum(jnp.cumprod(correct, axis=1), axis=1)
+  if in_round is not None:
+    accepted = jnp.where(in_round, -1, accepted)  # the same anchor, every slot guessed
+  anchors = (clean.anchors + accepted + 1).astype(jnp.int32)
+  seq_len = tokens.shape[0]
+  ok = valid_anchor_positions(loss_mask, length)[jnp.clip(anchors, 0, seq_len - 1)]
+  keep = clean.keep & ok & (anchors < seq_len)
+  anchors = jnp.where(keep, anchors, 0)
+  blk = blocks_at(anchors, keep, tokens, loss_mask, length, bs, mask_token_id)
+  idx = accepted[:, None] + jnp.arange(1, bs)[None]  # slot i's position in the old draft
+  have = jnp.concatenate([jnp.zeros((anchors.shape[0], 1), bool), idx < depth], axis=1)
+  old = jnp.take_along_axis(guesses, jnp.clip(idx, 0, depth - 1), axis=1)
+  slot_tokens = jnp.where(have[:, 1:], old, blk.tokens[:, 1:])
+  return blk._replace(
+    tokens=jnp.concatenate([blk.tokens[:, :1], slot_tokens], axis=1), guessed=have & keep[:, None]
   )
 
 
