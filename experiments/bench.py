@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jetspec_jax as js
@@ -23,8 +24,10 @@ import jetspec_jax as js
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-  """One way to decode: ``method`` ``'ar' | 'chain' | 'tree' | 'dspark'``, the head's name, the
-  tree shape (``'tree'``) or how the verify length is chosen (``'dspark'``)."""
+  """One way to decode: ``method`` ``'ar' | 'chain' | 'tree' | 'dspark' | 'jetspecpp'``, the
+  head's name, the tree shape (``'tree'``, ``'jetspecpp'``), how the verify length is chosen
+  (``'dspark'``), whether blocks are seeded with the last draft and the extra refine passes
+  (``'jetspecpp'``)."""
 
   method: str = 'ar'
   head: str | None = None
@@ -33,14 +36,16 @@ class Setting:
   width: int = 7
   verify_length: str | None = None  # 'dspark': 'threshold' or 'scheduler'
   threshold: float = 0.0
+  recycle: bool = True  # 'jetspecpp'
+  refine_passes: int = 0  # 'jetspecpp'
 
   def __post_init__(self):
     if self.method not in js.decoding.METHODS:
       raise ValueError(f'method must be one of {js.decoding.METHODS}, got {self.method!r}')
     if (self.method == 'ar') != (self.head is None):
       raise ValueError(f'{self.method!r} takes {"no" if self.method == "ar" else "a"} head')
-    if self.method == 'tree' and not self.budget:
-      raise ValueError('a tree setting needs a budget')
+    if self.method in ('tree', 'jetspecpp') and not self.budget:
+      raise ValueError(f'a {self.method} setting needs a budget')
     if (self.method == 'dspark') != (self.verify_length is not None):
       raise ValueError("a verify_length goes with method='dspark', and only with it")
 
@@ -54,19 +59,26 @@ class Setting:
       if self.verify_length == 'scheduler':
         return f'dspark/{self.head}/scheduler'
       return f'dspark/{self.head}/threshold{self.threshold:g}'
-    return f'tree/{self.head}/{self.algorithm or "accum_logp"}/{self.budget}'
+    tree = f'{self.head}/{self.algorithm or "accum_logp"}/{self.budget}'
+    if self.method == 'jetspecpp':
+      seed = 'recycle' if self.recycle else 'mask'
+      return f'jetspecpp/{tree}/{seed}/passes{self.refine_passes}'
+    return f'tree/{tree}'
 
   def generate_kwargs(self) -> dict:
     if self.method == 'dspark':
       return dict(method='dspark', verify_length=self.verify_length, threshold=self.threshold)
-    if self.method != 'tree':
+    if self.method not in ('tree', 'jetspecpp'):
       return dict(method=self.method)
-    return dict(
-      method='tree',
+    kwargs = dict(
+      method=self.method,
       budget=self.budget,
       width=self.width,
       tree_algorithm=self.algorithm or 'accum_logp',
     )
+    if self.method == 'jetspecpp':
+      kwargs.update(recycle=self.recycle, refine_passes=self.refine_passes)
+    return kwargs
 
   def row(self) -> dict:
     return dict(
@@ -77,6 +89,8 @@ class Setting:
       algorithm=self.algorithm,
       verify_length=self.verify_length,
       threshold=self.threshold if self.method == 'dspark' else None,
+      recycle=self.recycle if self.method == 'jetspecpp' else None,
+      refine_passes=self.refine_passes if self.method == 'jetspecpp' else None,
     )
 
 
@@ -87,13 +101,23 @@ def head_settings(
   width: int = 7,
   kinds: dict[str, str] | None = None,
   dspark_verify: Sequence[tuple[str, float]] = (('threshold', 0.0),),
+  jetspecpp_variants: Sequence[tuple[bool, int]] = ((False, 0), (True, 0)),
 ) -> list[Setting]:
   """AR, then for every head its chain and its trees (every algorithm and budget); a DSpark head
-  (``kinds[head] == 'dspark'``) gets one setting per ``(verify_length, threshold)`` instead."""
+  (``kinds[head] == 'dspark'``) gets one setting per ``(verify_length, threshold)`` instead, a
+  JetSpec++ head one tree per budget, algorithm and ``(recycle, refine_passes)``."""
   out = [Setting()]
   for head in heads:
     if (kinds or {}).get(head) == 'dspark':
       out += [Setting('dspark', head, verify_length=v, threshold=t) for v, t in dspark_verify]
+      continue
+    if (kinds or {}).get(head) == 'jetspecpp':
+      out += [
+        Setting('jetspecpp', head, budget, algorithm, width, recycle=r, refine_passes=n)
+        for algorithm in algorithms
+        for budget in budgets
+        for r, n in jetspecpp_variants
+      ]
       continue
     out.append(Setting('chain', head))
     for algorithm in algorithms:
@@ -139,7 +163,8 @@ def tau_histogram(taus: np.ndarray, max_tau: int = 16) -> list[int]:
 
 
 def summarize(outputs: Sequence, ar_wall_s: float | None = None) -> dict:
-  """tau (mean tokens per round), tokens/s, wall seconds, tokens, speedup over ``ar_wall_s``."""
+  """tau (mean tokens per round), tokens/s, wall seconds, tokens, speedup over ``ar_wall_s``;
+  with round counters (JetSpec++), their totals and ``guess_accuracy`` (correct / checked)."""
   wall = sum(o.stats.wall_s for o in outputs)
   tokens = sum(int(o.stats.new_tokens) for o in outputs)
   taus = np.concatenate([o.stats.tau for o in outputs])
@@ -152,6 +177,15 @@ def summarize(outputs: Sequence, ar_wall_s: float | None = None) -> dict:
   )
   if ar_wall_s is not None:
     summary['speedup'] = ar_wall_s / wall
+  counters = {}
+  for o in outputs:
+    for k, v in o.stats.round_stats.items():
+      counters[k] = counters.get(k, 0) + v
+  if counters:
+    rounds = sum(o.stats.rounds for o in outputs)
+    summary['round_stats'] = counters
+    summary['guessed_per_round'] = counters['guessed'] / max(rounds, 1)
+    summary['guess_accuracy'] = counters['guess_correct'] / max(counters['guess_checked'], 1)
   return summary
 
 
@@ -221,3 +255,37 @@ def median_time_carried(fn: Callable, state, *args, repeats: int):
     jax.block_until_ready(out)
     times.append(time.perf_counter() - start)
   return float(np.median(times)), state
+
+
+def round_cost(
+  target, head, setting: Setting, *, batch: int, capacity: int, repeats: int = 5
+) -> dict:
+  """Milliseconds of one round of ``setting`` and of its head's part alone (``round_fn.draft``),
+  for ``batch`` sequences whose caches are half full, and the head's share of the round.
+
+  The round is timed carrying its state from call to call (as the decode loop does); the draft
+  part reads the state the rounds left, so a JetSpec++ draft is timed with real guesses in its
+  slots.
+  """
+  round_fn, _ = js.decoding.make_round(target, head, **setting.generate_kwargs())
+  sampling = js.rounds.Sampling()
+  prompt_len = capacity // 2
+  prompts = jnp.ones((batch, prompt_len), jnp.int32)
+  lengths = jnp.full((batch,), prompt_len, jnp.int32)
+  state = js.rounds.start_rounds(
+    target, head, prompts, lengths, jax.random.key(0), capacity=capacity, sampling=sampling
+  )
+  if hasattr(round_fn, 'init_state'):
+    state = round_fn.init_state(head, state)
+  data = js.decoding.round_data_for(target, head, round_fn, batch, capacity)
+  step = jax.jit(lambda s: round_fn(target, head, s, sampling, data)[::-1], donate_argnums=0)
+  round_s, state = median_time_carried(lambda s: step(s), state, repeats=repeats)
+  draft = jax.jit(lambda s: round_fn.draft(target, head, s))
+  draft_s = median_time(draft, state, repeats=repeats)
+  return dict(
+    setting=setting.name,
+    batch=batch,
+    round_ms=1e3 * round_s,
+    draft_ms=1e3 * draft_s,
+    draft_share=draft_s / round_s,
+  )

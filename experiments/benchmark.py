@@ -60,8 +60,15 @@ def run(config, workdir: str) -> dict:
   eos = tok.eos_ids if config.get('stop_at_eos', False) else None
   kinds = {name: h.cfg.kind for name, h in heads.items()}
   dspark_verify = tuple(tuple(v) for v in config.get('dspark_verify', (('threshold', 0.0),)))
+  variants = tuple(tuple(v) for v in config.get('jetspecpp_variants', ((False, 0), (True, 0))))
   settings = bench.head_settings(
-    list(heads), config.budgets, config.tree_algorithms, config.width, kinds, dspark_verify
+    list(heads),
+    config.budgets,
+    config.tree_algorithms,
+    config.width,
+    kinds,
+    dspark_verify,
+    variants,
   )
   # At T > 0 a config may run fewer tree algorithms (``sampled_tree_algorithms``).
   sampled = bench.head_settings(
@@ -71,6 +78,7 @@ def run(config, workdir: str) -> dict:
     config.width,
     kinds,
     dspark_verify,
+    variants,
   )
   # One shape for every prompt, so each setting compiles once (warm-up) and timings exclude it.
   overhang = max(config.budgets) + max(h.cfg.block_size for h in heads.values())
@@ -125,6 +133,7 @@ def run(config, workdir: str) -> dict:
   peer_eos = js.decoding.stop_ids(eos, target.cfg.eos_token_id)
   peer_rows = run_peers(config, model_path, prompts, peer_eos, rows, ar_tokens)
   batch_rows = run_batches(config, target, heads, ids, shapes, {s.name: s for s in settings})
+  cost_rows = run_round_costs(config, target, heads, shapes, {s.name: s for s in settings})
   result = dict(
     **bench.envelope(config),
     num_prompts={k: len(v) for k, v in groups.items()},
@@ -132,6 +141,7 @@ def run(config, workdir: str) -> dict:
     peer_rows=peer_rows,
     per_prompt=per_prompt,
     batch_rows=batch_rows,
+    round_cost_rows=cost_rows,
   )
   write_outputs(result, pathlib.Path(workdir))
   return result
@@ -205,6 +215,7 @@ def run_batches(config, target, heads, prompts, shapes, settings_by_name) -> lis
         tokens = sum(x.stats.new_tokens for o in outs for x in o)
         user_tps = [x.stats.new_tokens / x.stats.wall_s for o in outs for x in o]
         taus = np.concatenate([x.stats.tau for o in outs for x in o])
+        counters = bench.summarize([x for o in outs for x in o])
         rows.append(
           dict(
             temperature=temperature,
@@ -214,9 +225,24 @@ def run_batches(config, target, heads, prompts, shapes, settings_by_name) -> lis
             user_tps=float(np.mean(user_tps)),
             latency_s=float(np.mean(walls)),
             tau=float(taus.mean()),
+            **{k: counters[k] for k in ('guess_accuracy', 'guessed_per_round') if k in counters},
           )
         )
         logging.info('%s', rows[-1])
+  return rows
+
+
+def run_round_costs(config, target, heads, shapes, settings_by_name) -> list[dict]:
+  """Per setting in ``config.round_cost_settings`` and batch in ``config.round_cost_batches``:
+  ms per round, ms of the head's part, and its share (:func:`experiments.bench.round_cost`)."""
+  rows = []
+  capacity = shapes.get('min_capacity') or 512
+  for batch in config.get('round_cost_batches') or ():
+    for name in config.get('round_cost_settings') or ():
+      setting = settings_by_name[name]
+      row = bench.round_cost(target, heads[setting.head], setting, batch=batch, capacity=capacity)
+      rows.append(row)
+      logging.info('%s', row)
   return rows
 
 
@@ -235,6 +261,13 @@ BATCH_COLUMNS = (
   ('tok/s (all sequences)', '{tps:.1f}'),
   ('tok/s per user', '{user_tps:.1f}'),
   ('latency per batch (s)', '{latency_s:.3f}'),
+)
+COST_COLUMNS = (
+  ('batch', '{batch}'),
+  ('setting', '{setting}'),
+  ('ms per round', '{round_ms:.1f}'),
+  ('ms of the head', '{draft_ms:.1f}'),
+  ('head share', '{draft_share:.0%}'),
 )
 PEER_COLUMNS = (
   ('peer (T=0, same prompts and model file)', '{setting}'),
@@ -270,6 +303,18 @@ def write_outputs(result: dict, out: pathlib.Path) -> None:
     tables.append(bench.markdown(PEER_COLUMNS, result['peer_rows']))
   if result['batch_rows']:
     tables.append(bench.markdown(BATCH_COLUMNS, result['batch_rows']))
+  if result.get('round_cost_rows'):
+    tables.append(bench.markdown(COST_COLUMNS, result['round_cost_rows']))
+  guessed = [r for r in result['rows'] if 'guess_accuracy' in r]
+  if guessed:
+    cols = (
+      ('T', '{temperature:g}'),
+      ('setting', '{setting}'),
+      ('tau', '{tau:.2f}'),
+      ('guessed slots per round', '{guessed_per_round:.2f}'),
+      ('guesses equal to the committed token', '{guess_accuracy:.0%}'),
+    )
+    tables.append(bench.markdown(cols, guessed))
   bench.write_result(result, out, 'benchmark', '\n'.join(tables))
   plot(result['rows'], out)
 

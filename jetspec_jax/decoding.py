@@ -338,35 +338,22 @@ def generate(
         f'method={method!r} cannot run a {head.cfg.kind} head '
         f'(method={special!r} runs exactly the {kind} heads)'
       )
-  round_data = None
-  if method == 'dspark':
-    round_fn = dspark_lib.DSparkRound(verify_length, float(threshold))
-    overhang = head.cfg.max_depth + 1
-  elif method == 'chain':
-    round_fn = rounds_lib.TreeRound(TreeSettings(budget=bs, width=1))
-    overhang = bs
-  else:
-    if budget < 1:
-      raise ValueError(f'{budget=} must be >= 1 (it counts the root)')
-    if not 1 <= width <= target.cfg.vocab_size:
-      raise ValueError(f'{width=} must be in [1, vocab_size={target.cfg.vocab_size}]')
-    if tree_algorithm not in tree_lib.TREE_BUILDERS:
-      raise ValueError(
-        f'tree_algorithm must be one of {sorted(tree_lib.TREE_BUILDERS)}, got {tree_algorithm!r}'
-      )
-    settings = TreeSettings(budget=int(budget), width=int(width), algorithm=tree_algorithm)
-    if method == 'jetspecpp':
-      round_fn = jetspecpp_lib.JetSpecPPRound(settings, bool(recycle), int(refine_passes))
-    else:
-      round_fn = rounds_lib.TreeRound(settings)
-    overhang = settings.budget
+  round_fn, overhang = make_round(
+    target,
+    head,
+    method,
+    budget=budget,
+    width=width,
+    tree_algorithm=tree_algorithm,
+    verify_length=verify_length,
+    threshold=threshold,
+    recycle=recycle,
+    refine_passes=refine_passes,
+  )
   prompts, lengths, capacity = _prepare_prompts(
     target, prompt_list, max_new_tokens, overhang + bs, min_prompt_bucket, min_capacity
   )
-  if method == 'dspark' and verify_length == 'scheduler':
-    widths = dspark_lib.verify_widths(head.cfg.max_depth)
-    sps = dspark_lib.profile_sps(target, len(prompt_list), capacity, widths, head=head)
-    round_data = jnp.asarray(sps)
+  round_data = round_data_for(target, head, round_fn, len(prompt_list), capacity)
   start = time.perf_counter()
   out, n, taus, rounds, stats = rounds_lib.speculative_loop(
     target,
@@ -384,6 +371,51 @@ def generate(
   wall = time.perf_counter() - start
   results = _collect(out, n, wall, max_new_tokens, eos, taus, rounds, stats)
   return results if batch else results[0]
+
+
+def make_round(
+  target,
+  head,
+  method: str,
+  *,
+  budget: int = 64,
+  width: int = 7,
+  tree_algorithm: str = 'accum_logp',
+  verify_length: str = 'threshold',
+  threshold: float = 0.5,
+  recycle: bool = True,
+  refine_passes: int = 0,
+):
+  """The round function of a speculative ``method`` (arguments as :func:`generate`), and how
+  many nodes past the committed prefix one of its rounds may write (``overhang``)."""
+  bs = head.cfg.block_size
+  if method == 'dspark':
+    return dspark_lib.DSparkRound(verify_length, float(threshold)), head.cfg.max_depth + 1
+  if method == 'chain':
+    return rounds_lib.TreeRound(TreeSettings(budget=bs, width=1)), bs
+  if budget < 1:
+    raise ValueError(f'{budget=} must be >= 1 (it counts the root)')
+  if not 1 <= width <= target.cfg.vocab_size:
+    raise ValueError(f'{width=} must be in [1, vocab_size={target.cfg.vocab_size}]')
+  if tree_algorithm not in tree_lib.TREE_BUILDERS:
+    raise ValueError(
+      f'tree_algorithm must be one of {sorted(tree_lib.TREE_BUILDERS)}, got {tree_algorithm!r}'
+    )
+  settings = TreeSettings(budget=int(budget), width=int(width), algorithm=tree_algorithm)
+  if method == 'jetspecpp':
+    return jetspecpp_lib.JetSpecPPRound(
+      settings, bool(recycle), int(refine_passes)
+    ), settings.budget
+  return rounds_lib.TreeRound(settings), settings.budget
+
+
+def round_data_for(target, head, round_fn, batch_size: int, capacity: int):
+  """The arrays a round reads (DSpark's scheduler: its rounds-per-second table, profiled once
+  per device, batch and capacity), or None."""
+  if isinstance(round_fn, dspark_lib.DSparkRound) and round_fn.verify_length == 'scheduler':
+    widths = dspark_lib.verify_widths(head.cfg.max_depth)
+    return jnp.asarray(dspark_lib.profile_sps(target, batch_size, capacity, widths, head=head))
+  return None
 
 
 class RoundTrace(NamedTuple):

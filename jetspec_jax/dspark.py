@@ -309,6 +309,12 @@ class DSparkRound:
   def __call__(self, target, head, state, sampling, sps=None):
     return dspark_round(target, head, state, sampling, self, sps)
 
+  def draft(self, target, head, state):
+    """The head's part of a round alone (greedy; its cost is the round's draft share)."""
+    draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
+    hidden = head.block_hidden(target, draft_cache, state.anchor)
+    return draft_chain(head, target, hidden, state.anchor, state.key, 0.0).tokens
+
 
 def dspark_round(
   target: qwen3.Target,

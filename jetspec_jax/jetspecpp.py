@@ -132,6 +132,14 @@ class JetSpecPPRound:
   def init_state(self, head, state):
     return init_guesses(head, state)
 
+  def draft(self, target, head, state):
+    """The head's part of a round alone (its cost is the round's draft share)."""
+    draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
+    guesses = realign(state.guesses, state.guess_pos, state.cache.lengths)
+    if not self.recycle:
+      guesses = jnp.full_like(guesses, NO_GUESS)
+    return refined_logits(target, head, draft_cache, state.anchor, guesses, self.refine_passes)
+
   def __call__(self, target, head, state, sampling, round_data=None):
     return jetspecpp_round(
       target,

@@ -327,6 +327,11 @@ class TreeRound:
   def __call__(self, target, head, state, sampling, round_data=None):
     return speculative_round(target, head, state, sampling, self.settings)
 
+  def draft(self, target, head, state):
+    """The head's part of a round alone (its cost is the round's draft share)."""
+    draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
+    return head.propose_cached(target, draft_cache, state.anchor)
+
 
 @functools.partial(jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling', 'round_fn'))
 def speculative_loop(

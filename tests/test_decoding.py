@@ -228,7 +228,8 @@ def test_sampled_tree_over_several_rounds_and_two_rows():
   joint = np.zeros(25)
   min_rounds = 0
   for chunk in range(6):
-    tokens, _, _, num_rounds = jax.device_get(draw(jax.random.split(jax.random.key(chunk), 2000)))
+    keys = jax.random.split(jax.random.key(chunk), 2000)
+    tokens, _, _, num_rounds, _ = jax.device_get(draw(keys))
     min_rounds = max(min_rounds, int(num_rounds.min()))
     for r in range(2):
       codes = tokens[:, r, :4] @ np.array([125, 25, 5, 1])

@@ -7,6 +7,10 @@ DSpark against JetSpec and DFlash-style (all three heads: same data, size and st
 8, T=0 and T=1:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:dspark \
       --workdir=benchmarks/smollm2_135m_dspark
+JetSpec++ against JetSpec and DSpark (same data, size and steps): tau with and without recycled
+guesses and refine passes, guess accuracy, the head's share of a round, batch 1 and 8:
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:jetspecpp \
+      --workdir=benchmarks/smollm2_135m_jetspecpp
 
 Held-out chat-formatted prompts in three groups (code: HumanEval as a request; chat:
 ``EVAL_CHAT_INSTRUCTIONS``; math: ``EVAL_MATH_TEMPLATES``), disjoint from the heads' training
@@ -55,6 +59,38 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       'tree/jetspec/accum_logp/16',
       'dspark/dspark/threshold0.3',
       'dspark/dspark/scheduler',
+    )
+  if arg == 'jetspecpp':
+    config.heads = ml_collections.ConfigDict(
+      dict(
+        jetspec='assets/jetspec_head_smollm2_135m',
+        dspark='assets/dspark_head_smollm2_135m',
+        jetspecpp='assets/jetspecpp_head_smollm2_135m',
+      )
+    )
+    config.num_per_group = 3
+    config.budgets = (8, 16)
+    config.tree_algorithms = ('accum_logp',)
+    config.dspark_verify = (('threshold', 0.3), ('scheduler', 0.0))
+    # (recycle, refine_passes): MASK slots (= JetSpec drafting with this head), recycled
+    # guesses, an in-round refine pass, both.
+    config.jetspecpp_variants = ((False, 0), (True, 0), (False, 1), (True, 1))
+    config.peers = ()
+    config.batch_sizes = (1, 8)
+    config.batch_temperatures = (0.0,)
+    config.batch_settings = (
+      'ar',
+      'tree/jetspec/accum_logp/16',
+      'dspark/dspark/scheduler',
+      'jetspecpp/jetspecpp/accum_logp/16/mask/passes0',
+      'jetspecpp/jetspecpp/accum_logp/16/recycle/passes0',
+    )
+    config.round_cost_batches = (1, 8)
+    config.round_cost_settings = (
+      'tree/jetspec/accum_logp/16',
+      'dspark/dspark/scheduler',
+      'jetspecpp/jetspecpp/accum_logp/16/recycle/passes0',
+      'jetspecpp/jetspecpp/accum_logp/16/recycle/passes1',
     )
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
     config.budgets = (8, 16, 32)
