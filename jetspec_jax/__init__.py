@@ -11,6 +11,8 @@ The public API (DESIGN.md §4)::
 from jetspec_jax import (
   chat_prompts,
   decoding,
+  dspark,
+  jetspecpp,
   kv_cache,
   rounds,
   sharding,

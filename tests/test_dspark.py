@@ -163,7 +163,8 @@ def test_sampled_dspark_matches_target_distribution(verify_length, temperature, 
   joint = np.zeros(25)
   taus = []
   for chunk in range(6):
-    tokens, _, tau, num_rounds = jax.device_get(draw(jax.random.split(jax.random.key(chunk), 2000)))
+    keys = jax.random.split(jax.random.key(chunk), 2000)
+    tokens, _, tau, num_rounds, _ = jax.device_get(draw(keys))
     taus.append(tau.sum() / num_rounds.sum())
     for r in range(2):
       codes = tokens[:, r, :4] @ np.array([125, 25, 5, 1])

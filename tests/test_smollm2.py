@@ -20,11 +20,17 @@ SHIPPED = {
   'jetspec': 'assets/jetspec_head_smollm2_135m',
   'dflash': 'assets/dflash_head_smollm2_135m',
   'dspark': 'assets/dspark_head_smollm2_135m',
+  'jetspecpp': 'assets/jetspecpp_head_smollm2_135m',
+}
+METHODS = {
+  'dspark': dict(method='dspark', threshold=0.1),
+  'jetspecpp': dict(method='jetspecpp', budget=8, width=3),
 }
 
 
 def test_shipped_heads_are_lossless_on_a_chat_prompt(smollm2):
-  """Every shipped head loads; greedy tree (DSpark: its chain, cut by the threshold) == ar on a
+  """Every shipped head loads; greedy tree (DSpark: its chain, cut by the threshold; JetSpec++:
+  its tree from recycled, refined blocks) == ar on a
   real chat prompt; the trained heads get drafts accepted (tau > 1 over the completion)."""
   target, tok = smollm2
   assert target.cfg.model_type == 'llama' and target.cfg.num_hidden_layers == 30
@@ -36,7 +42,7 @@ def test_shipped_heads_are_lossless_on_a_chat_prompt(smollm2):
   for name, path in SHIPPED.items():
     head = js.load_draft_head(path, target)
     assert head.cfg.kind == name
-    method = dict(method='dspark', threshold=0.1) if name == 'dspark' else dict(budget=8, width=3)
+    method = METHODS.get(name, dict(budget=8, width=3))
     tree = js.generate(target, head, prompt, max_new_tokens=24, eos_id=tok.eos_ids, **method)
     np.testing.assert_array_equal(tree.tokens, ar.tokens)
     assert tree.stats.mean_tau > 1.0, name
