@@ -66,7 +66,11 @@ def test_benchmark_runs_on_tiny_config(tmp_path):
     'rows',
     'per_prompt',
     'peer_rows',
+    'round_cost_rows',
   }
+  (cost,) = saved['round_cost_rows']  # the head's share of a round, measured
+  assert cost['setting'] == 'tree/jetspec/accum_logp/8' and cost['batch'] == 1
+  assert 0 < cost['draft_ms'] < cost['round_ms'] and 0 < cost['draft_share'] < 1
   settings = {r['setting'] for r in result['rows']}
   assert {'ar', 'chain/jetspec', 'chain/dflash', 'tree/jetspec/accum_logp/32'} <= settings
   for row in saved['rows']:

@@ -35,4 +35,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.tree_algorithms = ('accum_logp',)
     config.batch_sizes = (1, 2)
     config.batch_budget = 8
+    config.round_cost_batches = (1,)
+    config.round_cost_settings = ('tree/jetspec/accum_logp/8',)
   return config
