@@ -279,7 +279,7 @@ def round_cost(
     state = round_fn.init_state(head, state)
   data = js.decoding.round_data_for(target, head, round_fn, batch, capacity)
   step = jax.jit(lambda s: round_fn(target, head, s, sampling, data)[::-1], donate_argnums=0)
-  round_s, state = median_time_carried(lambda s: step(s), state, repeats=repeats)
+  round_s, state = median_time_carried(step, state, repeats=repeats)
   draft = jax.jit(lambda s: round_fn.draft(target, head, s))
   draft_s = median_time(draft, state, repeats=repeats)
   return dict(

@@ -37,20 +37,17 @@ STAT_NAMES = ('guessed', 'guess_checked', 'guess_correct')
 def init_guesses(head: draft_head_lib.DraftHead, state: rounds_lib.RoundState):
   """A state with no guesses yet (the first round drafts from MASK slots)."""
   b = state.anchor.shape[0]
-  guesses = jnp.full((b, head.cfg.max_depth), NO_GUESS, jnp.int32)
-  return state.replace(guesses=guesses, guess_pos=jnp.zeros((b,), jnp.int32))
+  return state.replace(guesses=jnp.full((b, head.cfg.max_depth), NO_GUESS, jnp.int32))
 
 
-def realign(
-  guesses: Int[Array, 'B depth'], guess_pos: Int[Array, ' B'], anchor_pos: Int[Array, ' B']
-) -> Int[Array, 'B depth']:
-  """The guesses for the slots of the block anchored at ``anchor_pos``: slot ``i`` (position
-  ``anchor_pos + i + 1``) takes the guess made for that position, or ``NO_GUESS``."""
+def realign(guesses: Int[Array, 'B depth'], shift: Int[Array, ' B']) -> Int[Array, 'B depth']:
+  """The last draft's guesses for the slots of the next block: the last block was anchored
+  ``shift`` (= its tau) positions before this one, so slot ``i`` takes guess ``shift + i``, or
+  ``NO_GUESS`` past the last draft."""
   depth = guesses.shape[1]
-  idx = anchor_pos[:, None] + 1 + jnp.arange(depth)[None] - guess_pos[:, None]
-  have = (idx >= 0) & (idx < depth)
+  idx = shift[:, None] + jnp.arange(depth)[None]
   taken = jnp.take_along_axis(guesses, jnp.clip(idx, 0, depth - 1), axis=1)
-  return jnp.where(have, taken, NO_GUESS)
+  return jnp.where(idx < depth, taken, NO_GUESS)
 
 
 def refined_logits(
@@ -70,6 +67,23 @@ def refined_logits(
   return logits
 
 
+def draft(
+  target: qwen3.Target,
+  head: draft_head_lib.DraftHead,
+  state: rounds_lib.RoundState,
+  recycle: bool,
+  refine_passes: int,
+):
+  """The head's part of a round: (head context cache with the last accepted features, the slot
+  guesses fed, refined per-depth logits ``[B, D, V]``)."""
+  draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
+  guesses = realign(state.guesses, state.num_pending)  # the last round committed num_pending
+  if not recycle:
+    guesses = jnp.full_like(guesses, NO_GUESS)
+  logits = refined_logits(target, head, draft_cache, state.anchor, guesses, refine_passes)
+  return draft_cache, guesses, logits
+
+
 def jetspecpp_round(
   target: qwen3.Target,
   head: draft_head_lib.DraftHead,
@@ -84,12 +98,7 @@ def jetspecpp_round(
   -> accept -> commit; the refined trunk is kept as the next round's guesses."""
   if head.cfg.kind != 'jetspecpp':
     raise ValueError(f'a JetSpec++ round needs a jetspecpp head, got a {head.cfg.kind} head')
-  anchor_pos = state.cache.lengths
-  draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
-  guesses = realign(state.guesses, state.guess_pos, anchor_pos)
-  if not recycle:
-    guesses = jnp.full_like(guesses, NO_GUESS)
-  logits = refined_logits(target, head, draft_cache, state.anchor, guesses, refine_passes)
+  draft_cache, guesses, logits = draft(target, head, state, recycle, refine_passes)
   new_state, out = rounds_lib.verify_tree_round(
     target, head, state, draft_cache, logits, sampling, tree_settings
   )
@@ -102,9 +111,7 @@ def jetspecpp_round(
     guess_checked=jnp.sum(checked, axis=1, dtype=jnp.int32),
     guess_correct=jnp.sum(correct, axis=1, dtype=jnp.int32),
   )
-  new_state = new_state.replace(
-    guesses=jnp.argmax(logits, axis=-1).astype(jnp.int32), guess_pos=anchor_pos + 1
-  )
+  new_state = new_state.replace(guesses=jnp.argmax(logits, axis=-1).astype(jnp.int32))
   return new_state, out.replace(stats=stats)
 
 
@@ -134,11 +141,7 @@ class JetSpecPPRound:
 
   def draft(self, target, head, state):
     """The head's part of a round alone (its cost is the round's draft share)."""
-    draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
-    guesses = realign(state.guesses, state.guess_pos, state.cache.lengths)
-    if not self.recycle:
-      guesses = jnp.full_like(guesses, NO_GUESS)
-    return refined_logits(target, head, draft_cache, state.anchor, guesses, self.refine_passes)
+    return draft(target, head, state, self.recycle, self.refine_passes)[2]
 
   def __call__(self, target, head, state, sampling, round_data=None):
     return jetspecpp_round(

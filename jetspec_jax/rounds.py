@@ -180,9 +180,9 @@ class RoundState:
     num_pending: ``int32[B]`` valid rows of ``pending``.
     anchor: ``int32[B]`` committed token ``P`` (the last one; the target has not read it yet).
     key: PRNG key.
-    guesses: JetSpec++ only: ``int32[B, D]`` the last draft's tokens (its rank-1 trunk), at
-      positions ``guess_pos[b] + i`` (:mod:`jetspec_jax.jetspecpp`); None for other rounds.
-    guess_pos: ``int32[B]`` position of ``guesses[:, 0]``.
+    guesses: JetSpec++ only: ``int32[B, D]`` the last draft's tokens (its rank-1 trunk) at
+      depths ``1..D`` of the last block, anchored ``num_pending`` positions before ``anchor``
+      (:mod:`jetspec_jax.jetspecpp`); None for other rounds.
   """
 
   cache: KVCache
@@ -192,7 +192,6 @@ class RoundState:
   anchor: Array
   key: jax.Array
   guesses: Array | None = None
-  guess_pos: Array | None = None
 
 
 @flax.struct.dataclass

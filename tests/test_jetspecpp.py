@@ -114,12 +114,12 @@ def test_mask_inputs_reproduce_jetspec_exactly(target, heads, prompts):
 
 
 def test_realign_moves_guesses_to_their_positions():
-  guesses = jnp.array([[10, 11, 12, 13]], jnp.int32)  # positions 5..8
-  got = jetspecpp.realign(guesses, jnp.array([5]), jnp.array([6]))  # slots at 7, 8, 9, 10
+  guesses = jnp.array([[10, 11, 12, 13]], jnp.int32)  # positions 5..8 (last anchor at 4)
+  got = jetspecpp.realign(guesses, jnp.array([2]))  # anchor 6: slots at 7, 8, 9, 10
   np.testing.assert_array_equal(got, [[12, 13, -1, -1]])
-  got = jetspecpp.realign(guesses, jnp.array([5]), jnp.array([4]))  # slots at 5..8: all
+  got = jetspecpp.realign(guesses, jnp.array([0]))  # anchor 4 (no round yet): slots at 5..8
   np.testing.assert_array_equal(got, guesses)
-  got = jetspecpp.realign(guesses, jnp.array([5]), jnp.array([8]))  # past the old draft
+  got = jetspecpp.realign(guesses, jnp.array([4]))  # anchor 8: past the old draft
   np.testing.assert_array_equal(got, [[-1, -1, -1, -1]])
 
 
