@@ -202,6 +202,70 @@ def test_refine_blocks_hide_what_they_must(target):
   assert not np.allclose(got[1], out[1])  # the later block does see those rows
 
 
+def test_noisy_context_blocks_hide_what_they_must(target):
+  """A noisy-context block holds true tokens then the clean draft in its run and MASK after;
+  true-token slots have no loss; a slot with a loss sees no tap at or after the anchor and no
+  token at or after its own position, yet does see the true tokens before it."""
+  bs, seq_len = 6, 40
+  cfg = dh.config_for_target(
+    target.cfg, num_layers=1, block_size=bs, target_layer_ids=(0, 2), refine=True
+  )
+  params = dh.init_head_params(cfg, jax.random.key(1))
+  params['draft_embed'] = jnp.ones_like(params['draft_embed'])
+  rng = np.random.default_rng(1)
+  tokens = jnp.asarray(rng.integers(1, VOCAB, seq_len), jnp.int32)
+  loss_mask = jnp.ones((seq_len,), jnp.int32)
+  features = jnp.asarray(rng.normal(size=(seq_len, 2 * target.cfg.hidden_size)), jnp.float32)
+  anchors = jnp.array([4, 20], jnp.int32)
+  clean = blocks_lib.blocks_at(anchors, jnp.array([True, True]), tokens, loss_mask, seq_len, bs, 0)
+  guesses = jnp.asarray(rng.integers(1, VOCAB, (2, bs - 1)), jnp.int32)
+  run, truth = jnp.array([4, 3], jnp.int32), jnp.array([2, 0], jnp.int32)
+  noisy = blocks_lib.noisy_context_blocks(clean, guesses, run, truth)
+  np.testing.assert_array_equal(
+    noisy.tokens[0], [tokens[4], tokens[5], tokens[6], *guesses[0, 2:4], 0]
+  )
+  np.testing.assert_array_equal(noisy.tokens[1], [tokens[20], *guesses[1, :3], 0, 0])
+  np.testing.assert_array_equal(noisy.guessed[0], [False, True, True, True, True, False])
+  np.testing.assert_array_equal(noisy.valid[0], [False, False, False, True, True, True])
+  np.testing.assert_array_equal(noisy.valid[1], clean.valid[1])
+  np.testing.assert_array_equal(noisy.context_mask, clean.context_mask)
+
+  out = np.asarray(train_lib.head_block_outputs(params, cfg, target, features, noisy))
+  later = features.at[4:].add(3.0)
+  for j in (3, 4, 5):  # the slots of block 0 with a loss
+    changed_tokens = tokens.at[4 + j :].set(tokens[4 + j :] % (VOCAB - 1) + 1)
+    changed_clean = blocks_lib.blocks_at(
+      anchors, jnp.array([True, True]), changed_tokens, loss_mask, seq_len, bs, 0
+    )
+    changed = blocks_lib.noisy_context_blocks(changed_clean, guesses, run, truth)
+    got = np.asarray(train_lib.head_block_outputs(params, cfg, target, later, changed))
+    np.testing.assert_allclose(got[0, : j + 1], out[0, : j + 1], atol=1e-6)
+  # ... and the true tokens in the run do reach the slots after them.
+  earlier = tokens.at[5].set(tokens[5] % (VOCAB - 1) + 1)
+  moved = blocks_lib.blocks_at(anchors, jnp.array([True, True]), earlier, loss_mask, seq_len, bs, 0)
+  moved = blocks_lib.noisy_context_blocks(moved, guesses, run, truth)
+  got = np.asarray(train_lib.head_block_outputs(params, cfg, target, features, moved))
+  assert not np.allclose(got[0, 3], out[0, 3])
+
+
+def test_progressive_noise_ramps_within_windows():
+  """Runs in 1..bs-2; the own-draft share of block n is ((n + phase) % w + 1) / w for one phase:
+  a ramp from easy to all-own-drafts, repeated every w blocks."""
+  run, truth = blocks_lib.progressive_noise(jax.random.key(3), 64, 8, 4)
+  run, truth = np.asarray(run), np.asarray(truth)
+  assert run.min() == 1 and run.max() == 6
+  n = np.arange(64)
+  matches = [
+    phase
+    for phase in range(4)
+    if np.array_equal(truth, np.round((1 - ((n + phase) % 4 + 1) / 4) * run).astype(int))
+  ]
+  assert len(matches) == 1
+  assert (truth[(n + matches[0]) % 4 == 3] == 0).all() and (
+    truth[(n + matches[0]) % 4 == 0] > 0
+  ).all()
+
+
 @pytest.fixture(scope='module')
 def tiny_data(target, tmp_path_factory):
   path = tmp_path_factory.mktemp('jpp_data')
@@ -255,6 +319,39 @@ def test_training_learns_and_resumes_exactly(target, tiny_data, tmp_path):
     resumed.params,
     full.params,
   )
+
+
+def test_consistency_term_adds_to_the_loss(target, tiny_data):
+  """The JetSpec++ loss is the clean + second-block distillation plus the consistency weight
+  times a non-negative KL that vanishes for no pair."""
+  cfg = dh.config_for_target(
+    target.cfg, num_layers=1, block_size=5, target_layer_ids=(0, 2), refine=True
+  )
+  params = dh.init_head_params(cfg, jax.random.key(4))
+  batch = tiny_data[0]
+  hidden, features = train_lib.target_pass(target, jnp.asarray(batch['tokens'][:1]), (0, 2))
+
+  def loss(weight):
+    settings = train_lib.StepSettings(
+      num_anchors=8, loss='ce', loss_chunk=4, remat=False, consistency_weight=weight
+    )
+    sums = train_lib.sequence_sums(
+      params,
+      cfg,
+      target,
+      jnp.asarray(batch['tokens'][0]),
+      jnp.asarray(batch['loss_mask'][0]),
+      jnp.asarray(batch['lengths'][0]),
+      hidden[0],
+      features[0],
+      jax.random.key(0),
+      settings,
+    )
+    return float(sums.loss)
+
+  base, half, full = loss(0.0), loss(0.5), loss(1.0)
+  assert full > half > base
+  np.testing.assert_allclose(full - base, 2 * (half - base), rtol=1e-4)
 
 
 def test_save_load_and_errors(target, heads, prompts, tmp_path):

@@ -84,6 +84,7 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     gamma=0.0,
     loss_chunk=16,
     remat=False,
+    consistency_weight=0.3,  # JetSpec++ heads only: MASK drafting -> its in-round refinement
     global_batch=8,
     steps=1000,
     lr=1e-3,
@@ -101,7 +102,9 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     config.eval.update(method='dspark', threshold=0.0)  # chain tau: verify every token
   if arg == 'jetspecpp':
     # JetSpec++: the JetSpec head plus draft_embed; each step's 16 blocks per sequence are 8
-    # clean blocks and the 8 refine blocks after them (same block count, so the same cost).
+    # clean blocks and 8 second blocks after them (2 in-round refine passes, 2 noisy-context
+    # blocks, 4 next-round refine blocks: head_trainer.second_block_outputs), plus the
+    # consistency term on the in-round pairs.
     config.head.update(refine=True)
     config.eval.update(method='jetspecpp')
   if arg == 'tiny':  # a smoke test of the pipeline (tests)

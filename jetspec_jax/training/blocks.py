@@ -14,6 +14,10 @@ Example, ``bs = 3``, anchors at 2 and 5, sequence length 7 (``x`` = visible)::
   keys:           context 0..6          block k=0   block k=1
   query (0, i)    x x . . . . .         causal      .
   query (1, i)    x x x x x . .         .           causal
+
+JetSpec++ heads also train on blocks whose slots hold guessed tokens (``Blocks.guessed``):
+:func:`refine_blocks` (the next round's block, seeded with the last draft) and
+:func:`noisy_context_blocks` (a token-only run of true and own-draft tokens after the anchor).
 """
 
 from typing import NamedTuple
@@ -35,8 +39,8 @@ class Blocks(NamedTuple):
     targets: ``int32[A, bs]`` ``x_{a+i}`` (0 where out of range).
     valid: ``bool[A, bs]`` slots with a loss.
     context_mask: ``bool[A, bs, L]`` context positions each query sees (``j < a``).
-    guessed: ``bool[A, bs]`` slots holding a guessed token instead of MASK (JetSpec++ refine
-      blocks: :func:`refine_blocks`), or None.
+    guessed: ``bool[A, bs]`` slots holding a guessed token instead of MASK (JetSpec++:
+      :func:`refine_blocks`, :func:`noisy_context_blocks`), or None.
   """
 
   anchors: Int[Array, ' anchors']
@@ -162,6 +166,56 @@ def refine_blocks(
   return blk._replace(
     tokens=jnp.concatenate([blk.tokens[:, :1], slot_tokens], axis=1), guessed=have & keep[:, None]
   )
+
+
+def noisy_context_blocks(
+  clean: Blocks,
+  guesses: Int[Array, 'anchors depth'],
+  run: Int[Array, ' anchors'],
+  truth: Int[Array, ' anchors'],
+) -> Blocks:
+  """JetSpec++ noisy-context blocks (Jacobi Forcing's noisy context, next_methods.md §5.3 b).
+
+  At each clean block's anchor ``a`` (context taps ``< a`` as the clean block's), slots
+  ``1..run[k]`` are token-only context: the first ``truth[k]`` of them hold the true tokens
+  ``x_{a+i}`` (the part of an unverified trunk that turns out right), the rest the clean block's
+  own draft ``guesses[k, i-1]``; the slots after the run hold MASK. Every run slot is flagged
+  ``guessed``, as at inference, where the head cannot tell a right guess from a wrong one. A slot
+  that holds its true token holds its own target, so it has no loss; the slots after it keep
+  theirs (validity is not cut there): they draft under that token-only context.
+  """
+  bs = clean.tokens.shape[1]
+  slot = jnp.arange(bs)[None, :]
+  in_run = (slot >= 1) & (slot <= run[:, None])
+  true_slot = in_run & (slot <= truth[:, None])
+  own = jnp.concatenate([clean.tokens[:, :1], guesses], axis=1)
+  tokens = jnp.where(true_slot, clean.targets, jnp.where(in_run, own, clean.tokens))
+  return clean._replace(
+    tokens=tokens.astype(jnp.int32),
+    valid=clean.valid & ~true_slot,
+    guessed=in_run & clean.keep[:, None],
+  )
+
+
+def progressive_noise(key, num_blocks: int, block_size: int, window: int):
+  """Run lengths and true-token counts of ``num_blocks`` noisy-context blocks.
+
+  The run length is uniform in ``1 .. bs-2`` (at least one MASK slot after it). The noise ratio
+  (the share of the run that is the head's own draft) follows Jacobi Forcing's linear
+  progressive schedule: block ``n`` has ratio ``((n + phase) mod window + 1) / window``, a ramp
+  from easy to hard repeated every ``window`` blocks, with a random ``phase`` per sequence. The
+  true tokens are the run's leading ``round((1 - ratio) * run)`` (a converged prefix, as in a
+  Jacobi trajectory).
+
+  Returns:
+    (run ``int32[num_blocks]``, truth ``int32[num_blocks]``).
+  """
+  run_key, phase_key = jax.random.split(key)
+  run = jax.random.randint(run_key, (num_blocks,), 1, max(block_size - 1, 2))
+  phase = jax.random.randint(phase_key, (), 0, window)
+  ratio = ((jnp.arange(num_blocks) + phase) % window + 1) / window
+  truth = jnp.round((1.0 - ratio) * run).astype(jnp.int32)
+  return run.astype(jnp.int32), truth
 
 
 def depth_weights(block_size: int, gamma: float) -> Array:

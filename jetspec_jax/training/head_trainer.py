@@ -39,6 +39,7 @@ class StepSettings:
   gamma: float = 0.0
   loss_chunk: int = 64
   remat: bool = True
+  consistency_weight: float = 0.3  # JetSpec++ heads only (sequence_sums)
 
 
 def target_pass(target: qwen3.Target, tokens, taps):
@@ -174,33 +175,83 @@ def sequence_sums(
   sums = sums_of(blk, out)
   if not refine:
     return sums
-  # JetSpec++: half the anchors are clean blocks, each followed by the refine block the next
-  # round would draft (seeded with the clean block's own draft, no gradient through the seed).
-  refined_blk, refined_out = refine_block_outputs(
+  # JetSpec++: half the anchors are clean blocks, each followed by a second block seeded with
+  # the clean block's own draft (no gradient through the seed): see second_block_outputs.
+  second, second_out = second_block_outputs(
     params, head_cfg, target, tokens, loss_mask, length, features, blk, out, key
   )
-  refined = sums_of(refined_blk, refined_out)
-  # The loss is over both; the logged accuracy and expected tau stay those of plain (MASK)
-  # drafting, comparable with a JetSpec head's (refined accuracy: evaluate with generate).
-  return sums._replace(loss=sums.loss + refined.loss, weight=sums.weight + refined.weight)
+  refined = sums_of(second, second_out)
+  # Consistency (XPress-style, next_methods.md §5.3 c): plain MASK drafting is pulled toward the
+  # stop-gradient output of its in-round refinement, the better-informed pass at the same slots.
+  pairs = np.flatnonzero(second_block_kinds(blk.keep.shape[0]) == 'in_round')
+  consistency, _ = losses.consistency_sums(
+    out[pairs],
+    second_out[pairs],
+    blk.valid[pairs] & second.valid[pairs],
+    lm_head=target.lm_logits,
+    weights=weights,
+    chunk=settings.loss_chunk,
+    remat=settings.remat,
+  )
+  # The logged accuracy and expected tau stay those of plain (MASK) drafting, comparable with a
+  # JetSpec head's (refined accuracy: evaluate with generate).
+  return sums._replace(
+    loss=sums.loss + refined.loss + settings.consistency_weight * consistency,
+    weight=sums.weight + refined.weight,
+  )
 
 
-IN_ROUND_SHARE = 0.25  # of refine blocks that are in-round passes, the rest next-round blocks
+# The second block after clean block k is of kind SECOND_BLOCK_CYCLE[k % 4]: a static pattern,
+# so every kind has a fixed count per sequence (anchors are random positions, so the pattern
+# picks blocks at random).
+SECOND_BLOCK_CYCLE = ('in_round', 'noisy', 'next_round', 'next_round')
+NOISE_WINDOW = 4  # Jacobi Forcing's progressive window (blocks), blocks_lib.progressive_noise
 
 
-def refine_block_outputs(
+def second_block_kinds(num_blocks: int) -> np.ndarray:
+  """The kinds of ``num_blocks`` second blocks (``SECOND_BLOCK_CYCLE`` repeated)."""
+  return np.array([SECOND_BLOCK_CYCLE[k % len(SECOND_BLOCK_CYCLE)] for k in range(num_blocks)])
+
+
+def second_block_outputs(
   params, head_cfg, target, tokens, loss_mask, length, features, clean: blocks_lib.Blocks, out, key
 ):
-  """The refine blocks after ``clean`` blocks whose head outputs are ``out``, and their head
-  outputs (:func:`jetspec_jax.training.blocks.refine_blocks`); a share ``IN_ROUND_SHARE`` of
-  them, drawn with ``key``, are in-round passes."""
+  """The JetSpec++ second blocks after ``clean`` blocks whose head outputs are ``out``, and their
+  head outputs. By :func:`second_block_kinds`:
+
+  * ``'next_round'``: the block the next round drafts, anchored where the clean block's greedy
+    chain stops and seeded with its leftover draft (:func:`blocks_lib.refine_blocks`);
+  * ``'in_round'``: the clean block again, every slot holding its own draft (a refine pass);
+  * ``'noisy'``: the clean block with a token-only run of true tokens then own-draft tokens
+    after the anchor, on the progressive schedule (:func:`blocks_lib.noisy_context_blocks`).
+  """
+  num_blocks = clean.keep.shape[0]
+  kinds = second_block_kinds(num_blocks)
   draft = target.lm_logits(jax.lax.stop_gradient(out[:, 1:]))
   guesses = jnp.argmax(draft, axis=-1).astype(jnp.int32)
-  in_round = jax.random.bernoulli(jax.random.fold_in(key, 1), IN_ROUND_SHARE, clean.keep.shape)
-  blk = blocks_lib.refine_blocks(
-    clean, guesses, tokens, loss_mask, length, head_cfg.mask_token_id, in_round
+  refine = blocks_lib.refine_blocks(
+    clean,
+    guesses,
+    tokens,
+    loss_mask,
+    length,
+    head_cfg.mask_token_id,
+    jnp.asarray(kinds == 'in_round'),
   )
-  return blk, head_block_outputs(params, head_cfg, target, features, blk)
+  noisy_index = np.flatnonzero(kinds == 'noisy')
+  if noisy_index.size:
+    run, truth = blocks_lib.progressive_noise(
+      jax.random.fold_in(key, 2), noisy_index.size, head_cfg.block_size, NOISE_WINDOW
+    )
+    zeros = jnp.zeros((num_blocks,), jnp.int32)
+    noisy = blocks_lib.noisy_context_blocks(
+      clean, guesses, zeros.at[noisy_index].set(run), zeros.at[noisy_index].set(truth)
+    )
+    is_noisy = jnp.asarray(kinds == 'noisy')
+    refine = jax.tree.map(
+      lambda a, b: jnp.where(is_noisy.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), noisy, refine
+    )
+  return refine, head_block_outputs(params, head_cfg, target, features, refine)
 
 
 def make_train_step(
@@ -376,6 +427,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     gamma=config.train.gamma,
     loss_chunk=config.train.loss_chunk,
     remat=config.train.get('remat', True),
+    consistency_weight=config.train.get('consistency_weight', 0.3),
   )
   if config.train.init_from:
     init_params = hf_io.load_draft_head(config.train.init_from, target).params

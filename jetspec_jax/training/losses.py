@@ -131,6 +131,38 @@ def block_losses(
   return LossSums(loss_sum, weight_sum, correct, count, accepted, jnp.sum(keep))
 
 
+def consistency_sums(
+  student_hidden: Array,
+  reference_hidden: Array,
+  valid: Array,
+  *,
+  lm_head: Callable[[Array], Array],
+  weights: Array,
+  chunk: int = 64,
+  remat: bool = True,
+) -> tuple[Array, Array]:
+  """``(sum_m w_m KL(softmax(z_ref[m]) || softmax(z_student[m])), sum_m w_m)`` over ``valid``
+  slots, with no gradient through the reference (a head's own better-informed pass).
+
+  Args:
+    student_hidden, reference_hidden: ``[A, bs, D]`` head outputs at the same positions.
+    valid: ``bool[A, bs]`` slots that count.
+    lm_head, weights, chunk, remat: as :func:`block_losses`.
+  """
+  bs = student_hidden.shape[1]
+
+  def one_chunk(sh, rh, vld):
+    log_q = jax.nn.log_softmax(lm_head(sh).astype(jnp.float32), axis=-1)
+    log_p = jax.lax.stop_gradient(jax.nn.log_softmax(lm_head(rh).astype(jnp.float32), axis=-1))
+    per_slot = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    none = jnp.zeros_like(vld)
+    return _chunk_sums(per_slot, jnp.where(vld, weights[None, :], 0.0), none, vld, none)
+
+  arrays = (student_hidden, reference_hidden, valid)
+  loss_sum, weight_sum, *_ = _scan_chunks(one_chunk, arrays, bs, chunk, remat)
+  return loss_sum, weight_sum
+
+
 def dspark_block_losses(
   head_hidden: Array,
   teacher_hidden: Array,
