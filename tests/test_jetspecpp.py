@@ -1,6 +1,7 @@
 """JetSpec++: lossless rounds (greedy == AR with guesses that hit and miss, T > 0 == the
-target's distribution), MASK inputs == JetSpec exactly, refine-block training (no leakage,
-exact resume), released-layout I/O and errors."""
+target's distribution), MASK inputs == JetSpec exactly, training on refine and noisy-context
+blocks (no leakage, the progressive schedule, the consistency term, exact resume),
+released-layout I/O and errors."""
 
 import dataclasses
 import functools
@@ -324,12 +325,11 @@ def test_training_learns_and_resumes_exactly(target, tiny_data, tmp_path):
 def test_consistency_term_adds_to_the_loss(target, tiny_data):
   """The JetSpec++ loss is the clean + second-block distillation plus the consistency weight
   times a non-negative KL that vanishes for no pair."""
-  cfg = dh.config_for_target(
-    target.cfg, num_layers=1, block_size=5, target_layer_ids=(0, 2), refine=True
-  )
-  params = dh.init_head_params(cfg, jax.random.key(4))
+  head = js.testing.random_draft_head(target, block_size=5, seed=4, refine=True)
+  cfg, params = head.cfg, head.params
   batch = tiny_data[0]
-  hidden, features = train_lib.target_pass(target, jnp.asarray(batch['tokens'][:1]), (0, 2))
+  tokens = jnp.asarray(batch['tokens'][:1])
+  hidden, features = train_lib.target_pass(target, tokens, cfg.target_layer_ids)
 
   def loss(weight):
     settings = train_lib.StepSettings(
