@@ -20,11 +20,13 @@ Bit-packed rows: bit ``j % 32`` of word ``j // 32`` of row ``t`` is ``anc[t, j]`
 the word ``0b01011``.
 
 Kernel layout (one program per (sequence, kv head, block of ``block_q`` tail rows)): the ``G``
-query heads that share a K/V head are packed into the rows (``block_q * G`` rows), so each K/V
-tile is read once for all of them. A flash-style online softmax in float32 runs over prefix tiles
-(only the ``ceil(prefix_len / block_k)`` tiles that hold valid keys are visited; the last one is
-masked), then over tail tiles up to the block's last row (nodes are topologically ordered, so no
-row attends to a later tail key).
+query heads that share a K/V head are packed into the rows (``block_q * G'`` rows), so each K/V
+tile is read once for all of them. ``G'`` is ``G`` rounded up to a power of two (3 query heads
+per K/V head, as SmolLM2-135M has, pack as 4 with one zero head), so a row block is a power of two
+(Triton) and a multiple of 8 (Mosaic) for every head layout. A flash-style online softmax in
+float32 runs over prefix tiles (only the ``ceil(prefix_len / block_k)`` tiles that hold valid
+keys are visited; the last one is masked), then over tail tiles up to the block's last row (nodes
+are topologically ordered, so no row attends to a later tail key).
 """
 
 import dataclasses
@@ -170,21 +172,30 @@ def _kernel(
   o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
 
 
+def packed_groups(groups: int) -> int:
+  """Query heads per K/V head as packed into rows: ``G`` rounded up to a power of two."""
+  return _pow2_at_least(groups)
+
+
 def pack_query_rows(q: Float[Array, 'B T N H'], row_pad: int, num_kv_heads: int) -> Array:
-  """``[B, K, row_pad * G, H]``: each K/V head's ``G`` query heads packed into rows, node-major
-  (row = node * G + head), nodes zero-padded to ``row_pad``."""
+  """``[B, K, row_pad * G', H]``: each K/V head's ``G`` query heads packed into rows, node-major
+  (row = node * G' + head), heads zero-padded to ``G' = packed_groups(G)`` and nodes to
+  ``row_pad``."""
   b, t, n, h = q.shape
   groups = n // num_kv_heads
+  group_pad = packed_groups(groups)
   q = jnp.pad(q, ((0, 0), (0, row_pad - t), (0, 0), (0, 0)))
   q = q.reshape(b, row_pad, num_kv_heads, groups, h).transpose(0, 2, 1, 3, 4)
-  return q.reshape(b, num_kv_heads, row_pad * groups, h)
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, group_pad - groups), (0, 0)))
+  return q.reshape(b, num_kv_heads, row_pad * group_pad, h)
 
 
 def unpack_query_rows(rows: Array, num_new: int, groups: int) -> Array:
-  """The inverse of :func:`pack_query_rows`, padding nodes dropped: ``[B, T, N, H]``."""
+  """The inverse of :func:`pack_query_rows`, padding nodes and heads dropped: ``[B, T, N, H]``."""
   b, kh, num_rows, h = rows.shape
-  row_pad = num_rows // groups
-  out = rows.reshape(b, kh, row_pad, groups, h).transpose(0, 2, 1, 3, 4)
+  group_pad = packed_groups(groups)
+  row_pad = num_rows // group_pad
+  out = rows.reshape(b, kh, row_pad, group_pad, h)[:, :, :, :groups].transpose(0, 2, 1, 3, 4)
   return out.reshape(b, row_pad, kh * groups, h)[:, :num_new]
 
 
@@ -240,7 +251,7 @@ def tree_attention(
   check_shapes(q, k_tail, v_tail, k_cache, v_cache, prefix_len, ancestors)
   b, t, n, h = q.shape
   _, s, kh, _ = k_cache.shape
-  groups = n // kh
+  groups = packed_groups(n // kh)  # rows per node, padding heads included
   bs = block_sizes or choose_block_sizes(t, groups, h)
   block_q = bs.block_q
   num_row_blocks = -(-t // block_q)  # only blocks that hold a real node
@@ -292,7 +303,7 @@ def tree_attention(
     debug=debug,
     name='tree_attention',
   )(*args)
-  return unpack_query_rows(out, t, groups)
+  return unpack_query_rows(out, t, n // kh)
 
 
 def tree_attention_reference(

@@ -15,7 +15,8 @@ What differs from the Triton kernel, and why:
   whole ``K * H`` row and its second-minor ``block_k`` is a multiple of 8: legal for any head
   count and head dim. Every K/V head is handled inside the program, each K/V tile read once for
   all heads; the ``G`` query heads that share a K/V head are packed into the rows
-  (``block_q * G`` rows, a multiple of 8), as in the Triton kernel.
+  (``block_q * G'`` rows, ``G'`` = ``G`` rounded up to a power of two, so a multiple of 8 for
+  every head layout), as in the Triton kernel.
 * **Tail masks** come from the same bit-packed ancestor rows (tree mode, whole tail in one tile:
   trees are at most a few hundred nodes) or from positions (causal mode, tail tiles up to the row
   block's last node, for chunked prefill).
@@ -177,7 +178,7 @@ def tree_attention(
   gpu_kernel.check_shapes(q, k_tail, v_tail, k_cache, v_cache, prefix_len, ancestors)
   b, t, n, h = q.shape
   _, s, kh, _ = k_cache.shape
-  groups = n // kh
+  groups = gpu_kernel.packed_groups(n // kh)  # rows per node, padding heads included
   block_q = choose_block_q(t, groups)
   num_row_blocks = -(-t // block_q)
   row_pad = num_row_blocks * block_q
@@ -244,4 +245,4 @@ def tree_attention(
     interpret=interpret,
     name='tree_attention_tpu',
   )(*args)
-  return gpu_kernel.unpack_query_rows(out, t, groups)
+  return gpu_kernel.unpack_query_rows(out, t, n // kh)

@@ -24,7 +24,54 @@ CASES = [
   (255, (129,), 8, 2, 128, jnp.bfloat16, 'random'),
   (33, (1,), 16, 4, 64, jnp.bfloat16, 'causal'),
   (130, (250,), 4, 2, 64, jnp.float32, 'causal'),
+  # Query heads per K/V head that are not powers of two (SmolLM2-135M: 9 / 3), packed as G'.
+  (13, (20, 3), 9, 3, 64, jnp.float32, 'random'),
+  (40, (70,), 10, 2, 128, jnp.bfloat16, 'causal'),
+  (7, (5,), 6, 1, 64, jnp.float32, 'star'),
+  (33, (9,), 14, 2, 64, jnp.bfloat16, 'random'),
 ]
+
+# The layouts every kernel must lower for on its real platform: query heads per K/V head 1-8,
+# head dims 64 and 128, float32 and bfloat16, trees (T <= 255) and causal prefill chunks (T up to
+# 2048). Interpret mode checks none of the platforms' tiling rules; an export does.
+EXPORT_GRID = [
+  (groups, h, dtype, t, tree)
+  for groups in range(1, 9)
+  for h in (64, 128)
+  for dtype in (jnp.float32, jnp.bfloat16)
+  for t, tree in ((1, True), (33, True), (255, True), (33, False), (2048, False))
+]
+
+
+def export_kernel(kernel, platform, groups, h, dtype, t, tree, kv_heads=2, capacity=4096):
+  """``kernel`` exported for ``platform`` on abstract inputs; returns the MLIR text."""
+  sd = jax.ShapeDtypeStruct
+  args = [
+    sd((1, t, kv_heads * groups, h), dtype),
+    sd((1, t, kv_heads, h), dtype),
+    sd((1, t, kv_heads, h), dtype),
+    sd((1, capacity, kv_heads, h), dtype),
+    sd((1, capacity, kv_heads, h), dtype),
+    sd((1,), jnp.int32),
+  ]
+  if tree:
+    args.append(sd((1, t, t), jnp.bool_))
+  return jax.export.export(
+    jax.jit(kernel),
+    platforms=[platform],
+    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call('__gpu$xla.gpu.triton')],
+  )(*args).mlir_module()
+
+
+def assert_grid_lowers(kernel, platform, call):
+  """Every :data:`EXPORT_GRID` layout lowers to ``call``; failures are listed together."""
+  failed = []
+  for layout in EXPORT_GRID:
+    try:
+      assert re.search(call, export_kernel(kernel, platform, *layout))
+    except Exception as e:  # noqa: BLE001 - collect every failing layout, then report
+      failed.append(f'{layout}: {str(e).splitlines()[0][:160]}')
+  assert not failed, '\n'.join(failed)
 
 
 def make_inputs(seed, m, prefix, n, kh, h, dtype, kind, capacity=512):
@@ -120,6 +167,18 @@ def test_lowers_to_triton_for_gpu(tree):
     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call('__gpu$xla.gpu.triton')],
   )(*args)
   assert re.search(r'custom_call @__gpu\$xla\.gpu\.triton', exported.mlir_module())
+
+
+def test_every_head_layout_lowers_to_triton():
+  assert_grid_lowers(ta.tree_attention, 'cuda', r'custom_call @__gpu\$xla\.gpu\.triton')
+
+
+def test_packing_pads_groups_to_a_power_of_two():
+  q = jnp.arange(2 * 5 * 6 * 4, dtype=jnp.float32).reshape(2, 5, 6, 4)  # 6 heads, 2 kv: G = 3
+  rows = ta.pack_query_rows(q, 8, 2)
+  assert rows.shape == (2, 2, 8 * 4, 4)  # G' = 4
+  assert not rows.reshape(2, 2, 8, 4, 4)[:, :, :, 3].any()  # the padding head is zeros
+  np.testing.assert_array_equal(ta.unpack_query_rows(rows, 5, 3), q)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jetspec_jax as js
 from pallas_kernels import tree_attention as ta
 from pallas_kernels import tree_attention_tpu as tk
-from tests.test_tree_attention import CASES, TOLERANCE, make_inputs
+from tests.test_tree_attention import CASES, TOLERANCE, assert_grid_lowers, make_inputs
 
 INTERPRET = pltpu.InterpretParams()  # TPU semantics on CPU; uninitialised memory reads as NaN
 MOSAIC_CALL = re.compile(r'custom_call @tpu_custom_call')
@@ -43,12 +43,17 @@ def test_prefix_keys_past_length_are_ignored_and_dead_tiles_skipped():
 
 
 def test_tiles_respect_tpu_tiling():
-  for t in (1, 7, 64, 255):
-    for groups in (1, 2, 4, 8):
-      block_q = tk.choose_block_q(t, groups)
-      assert (block_q * groups) % 8 == 0 and block_q * groups <= 128
+  for t in (1, 7, 64, 255, 2048):
+    for groups in range(1, 9):
+      packed = ta.packed_groups(groups)
+      block_q = tk.choose_block_q(t, packed)
+      assert (block_q * packed) % 8 == 0 and block_q * packed <= 128
   assert tk.choose_block_k(1024) == 128 and tk.choose_block_k(40) == 8
   assert tk.choose_block_k(12) == 12  # no multiple of 8 divides it: the whole cache, one tile
+
+
+def test_every_head_layout_lowers_to_mosaic():
+  assert_grid_lowers(tk.tree_attention, 'tpu', MOSAIC_CALL.pattern)
 
 
 def _tree_forward_args(target, m=9, capacity=64):
