@@ -127,11 +127,39 @@ def test_gguf_equals_its_dequantized_weights(tiny_gguf):
   assert np.corrcoef(got[q].ravel(), tensors[q].ravel())[0, 1] > 0.97
 
 
+def test_no_stale_entry_is_reused(tiny_gguf, tmp_path, monkeypatch):
+  """Every file of an entry is covered (an edited config.json, an extra file), and the source is
+  hashed whole (a same-size edit in the middle of the GGUF names another entry)."""
+  path, _ = tiny_gguf
+  first = np.asarray(js.load_target(path).forward_logits(np.arange(7)[None]))
+  entry = gguf_io.cached_checkpoint(path)
+  config = json.loads((entry / 'config.json').read_text())
+  (entry / 'config.json').write_text(json.dumps(dict(config, rope_theta=123.0)))
+  assert not gguf_io._entry_is_valid(entry)
+  np.testing.assert_array_equal(
+    np.asarray(js.load_target(path).forward_logits(np.arange(7)[None])), first
+  )
+  assert json.loads((entry / 'config.json').read_text()) == config  # rebuilt
+  (entry / 'config.json').write_text('{}')
+  assert gguf_io.cached_checkpoint(path) == entry and gguf_io._entry_is_valid(entry)
+  (entry / 'extra.bin').write_bytes(b'x')
+  assert not gguf_io._entry_is_valid(entry)
+  gguf_io.cached_checkpoint(path)
+  assert not (entry / 'extra.bin').exists()
+
+  edited = tmp_path / path.name
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x01  # same size, one bit in the middle (tensor data)
+  edited.write_bytes(bytes(data))
+  assert gguf_io.cached_checkpoint(edited) != entry
+
+
 def test_second_load_uses_the_cache_and_a_corrupt_entry_is_rebuilt(tiny_gguf, monkeypatch):
   path, _ = tiny_gguf
   first = np.asarray(js.load_target(path).forward_logits(np.arange(7)[None]))
   entry = gguf_io.cached_checkpoint(path)
-  assert json.loads((entry / gguf_io.MANIFEST).read_text())['size'] > 0
+  files = json.loads((entry / gguf_io.MANIFEST).read_text())['files']
+  assert set(files) == {'config.json', 'model.safetensors'} and files['model.safetensors'][0] > 0
 
   def no_conversion(_):
     raise AssertionError('converted again although the cache entry is valid')
