@@ -27,7 +27,8 @@ class Setting:
   """One way to decode: ``method`` ``'ar' | 'chain' | 'tree' | 'dspark' | 'jetspecpp'``, the
   head's name, the tree shape (``'tree'``, ``'jetspecpp'``), how the verify length is chosen
   (``'dspark'``), whether blocks are seeded with the last draft and the extra refine passes
-  (``'jetspecpp'``)."""
+  (``'jetspecpp'``), and the copy candidates (``copy_len``; ``'chain'``, ``'tree'``,
+  ``'jetspecpp'``)."""
 
   method: str = 'ar'
   head: str | None = None
@@ -38,6 +39,7 @@ class Setting:
   threshold: float = 0.0
   recycle: bool = True  # 'jetspecpp'
   refine_passes: int = 0  # 'jetspecpp'
+  copy_len: int = 0  # 'chain', 'tree', 'jetspecpp'
 
   def __post_init__(self):
     if self.method not in js.decoding.METHODS:
@@ -48,9 +50,15 @@ class Setting:
       raise ValueError(f'a {self.method} setting needs a budget')
     if (self.method == 'dspark') != (self.verify_length is not None):
       raise ValueError("a verify_length goes with method='dspark', and only with it")
+    if self.copy_len and self.method not in ('chain', 'tree', 'jetspecpp'):
+      raise ValueError(f'copy candidates go with chain, tree and jetspecpp, not {self.method!r}')
 
   @property
   def name(self) -> str:
+    return self._base_name + (f'/copy{self.copy_len}' if self.copy_len else '')
+
+  @property
+  def _base_name(self) -> str:
     if self.method == 'ar':
       return 'ar'
     if self.method == 'chain':
@@ -69,7 +77,7 @@ class Setting:
     if self.method == 'dspark':
       return dict(method='dspark', verify_length=self.verify_length, threshold=self.threshold)
     if self.method not in ('tree', 'jetspecpp'):
-      return dict(method=self.method)
+      return dict(method=self.method, **({'copy_len': self.copy_len} if self.copy_len else {}))
     kwargs = dict(
       method=self.method,
       budget=self.budget,
@@ -78,6 +86,8 @@ class Setting:
     )
     if self.method == 'jetspecpp':
       kwargs.update(recycle=self.recycle, refine_passes=self.refine_passes)
+    if self.copy_len:
+      kwargs.update(copy_len=self.copy_len)
     return kwargs
 
   def row(self) -> dict:
@@ -91,6 +101,7 @@ class Setting:
       threshold=self.threshold if self.method == 'dspark' else None,
       recycle=self.recycle if self.method == 'jetspecpp' else None,
       refine_passes=self.refine_passes if self.method == 'jetspecpp' else None,
+      copy_len=self.copy_len,
     )
 
 
@@ -102,10 +113,13 @@ def head_settings(
   kinds: dict[str, str] | None = None,
   dspark_verify: Sequence[tuple[str, float]] = (('threshold', 0.0),),
   jetspecpp_variants: Sequence[tuple[bool, int]] = ((False, 0), (True, 0)),
+  copy_lens: Sequence[int] = (0,),
 ) -> list[Setting]:
   """AR, then for every head its chain and its trees (every algorithm and budget); a DSpark head
   (``kinds[head] == 'dspark'``) gets one setting per ``(verify_length, threshold)`` instead, a
-  JetSpec++ head one tree per budget, algorithm and ``(recycle, refine_passes)``."""
+  JetSpec++ head one tree per budget, algorithm and ``(recycle, refine_passes)``. Chains and
+  trees come once per ``copy_lens`` entry (0: no copy candidates; a tree's budget must exceed
+  it)."""
   out = [Setting()]
   for head in heads:
     if (kinds or {}).get(head) == 'dspark':
@@ -113,15 +127,22 @@ def head_settings(
       continue
     if (kinds or {}).get(head) == 'jetspecpp':
       out += [
-        Setting('jetspecpp', head, budget, algorithm, width, recycle=r, refine_passes=n)
+        Setting('jetspecpp', head, budget, algorithm, width, recycle=r, refine_passes=n, copy_len=c)
         for algorithm in algorithms
         for budget in budgets
         for r, n in jetspecpp_variants
+        for c in copy_lens
+        if budget > c
       ]
       continue
-    out.append(Setting('chain', head))
+    out += [Setting('chain', head, copy_len=c) for c in copy_lens]
     for algorithm in algorithms:
-      out += [Setting('tree', head, budget, algorithm, width) for budget in budgets]
+      out += [
+        Setting('tree', head, budget, algorithm, width, copy_len=c)
+        for budget in budgets
+        for c in copy_lens
+        if budget > c
+      ]
   return out
 
 
@@ -164,7 +185,8 @@ def tau_histogram(taus: np.ndarray, max_tau: int = 16) -> list[int]:
 
 def summarize(outputs: Sequence, ar_wall_s: float | None = None) -> dict:
   """tau (mean tokens per round), tokens/s, wall seconds, tokens, speedup over ``ar_wall_s``;
-  with round counters (JetSpec++), their totals and ``guess_accuracy`` (correct / checked)."""
+  with round counters, their totals, and for JetSpec++ ``guess_accuracy`` (correct / checked),
+  with copy candidates ``copy_share`` (accepted copy-branch nodes / accepted drafts)."""
   wall = sum(o.stats.wall_s for o in outputs)
   tokens = sum(int(o.stats.new_tokens) for o in outputs)
   taus = np.concatenate([o.stats.tau for o in outputs])
@@ -184,8 +206,11 @@ def summarize(outputs: Sequence, ar_wall_s: float | None = None) -> dict:
   if counters:
     rounds = sum(o.stats.rounds for o in outputs)
     summary['round_stats'] = counters
+  if 'guessed' in counters:
     summary['guessed_per_round'] = counters['guessed'] / max(rounds, 1)
     summary['guess_accuracy'] = counters['guess_correct'] / max(counters['guess_checked'], 1)
+  if 'copy_accepted' in counters:  # share of accepted drafts only the copy branch held
+    summary['copy_share'] = counters['copy_accepted'] / max(int((taus - 1).sum()), 1)
   return summary
 
 

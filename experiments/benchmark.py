@@ -61,6 +61,7 @@ def run(config, workdir: str) -> dict:
   kinds = {name: h.cfg.kind for name, h in heads.items()}
   dspark_verify = tuple(tuple(v) for v in config.get('dspark_verify', (('threshold', 0.0),)))
   variants = tuple(tuple(v) for v in config.get('jetspecpp_variants', ((False, 0), (True, 0))))
+  copy_lens = tuple(config.get('copy_lens', (0,)))
   settings = bench.head_settings(
     list(heads),
     config.budgets,
@@ -69,6 +70,7 @@ def run(config, workdir: str) -> dict:
     kinds,
     dspark_verify,
     variants,
+    copy_lens,
   )
   # At T > 0 a config may run fewer tree algorithms (``sampled_tree_algorithms``).
   sampled = bench.head_settings(
@@ -79,6 +81,7 @@ def run(config, workdir: str) -> dict:
     kinds,
     dspark_verify,
     variants,
+    copy_lens,
   )
   # One shape for every prompt, so each setting compiles once (warm-up) and timings exclude it.
   overhang = max(config.budgets) + max(h.cfg.block_size for h in heads.values())
@@ -315,6 +318,16 @@ def write_outputs(result: dict, out: pathlib.Path) -> None:
       ('guesses equal to the committed token', '{guess_accuracy:.0%}'),
     )
     tables.append(bench.markdown(cols, guessed))
+  copied = [r for r in result['rows'] if 'copy_share' in r]
+  if copied:
+    cols = (
+      ('T', '{temperature:g}'),
+      ('setting', '{setting}'),
+      ('tau', '{tau:.2f}'),
+      ('speedup', '{speedup:.2f}x'),
+      ('accepted drafts from the copy branch', '{copy_share:.0%}'),
+    )
+    tables.append(bench.markdown(cols, copied))
   bench.write_result(result, out, 'benchmark', '\n'.join(tables))
   plot(result['rows'], out)
 
@@ -328,11 +341,13 @@ def plot(rows, out: pathlib.Path) -> None:
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
   for temperature in sorted({r['temperature'] for r in rows}):
     trees = [r for r in rows if r['method'] == 'tree' and r['temperature'] == temperature]
-    for key in sorted({(r['head'], r['algorithm']) for r in trees}):
+    for key in sorted({(r['head'], r['algorithm'], r.get('copy_len', 0)) for r in trees}):
       sel = sorted(
-        (r for r in trees if (r['head'], r['algorithm']) == key), key=lambda r: r['budget']
+        (r for r in trees if (r['head'], r['algorithm'], r.get('copy_len', 0)) == key),
+        key=lambda r: r['budget'],
       )
-      label = f'{key[0]} {key[1]} T={temperature:g}'
+      copy = f' copy{key[2]}' if key[2] else ''
+      label = f'{key[0]} {key[1]}{copy} T={temperature:g}'
       axes[0].plot([r['budget'] for r in sel], [r['tau'] for r in sel], marker='o', label=label)
       axes[1].plot([r['budget'] for r in sel], [r['speedup'] for r in sel], marker='o', label=label)
     for r in rows:

@@ -8,6 +8,7 @@ prompts of similar lengths share one compilation.
 """
 
 import dataclasses
+import math
 import time
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -70,15 +71,30 @@ def bucket(n: int, minimum: int = 16) -> int:
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
-def stop_ids(eos_id, default: int | None) -> tuple[int, ...]:
-  """``eos_id`` (None, one id or a collection of ids) as a sorted tuple of stop ids."""
+def stop_ids(eos_id, default: int | None, vocab_size: int | None = None) -> tuple[int, ...]:
+  """``eos_id`` (None, one id or a collection of ids) as a sorted tuple of stop ids; with
+  ``vocab_size``, an id outside the vocabulary (it could never stop anything) is an error."""
   if eos_id is None:
     eos_id = default
   if eos_id is None:
     return ()
   if isinstance(eos_id, int | np.integer):
-    return (int(eos_id),)
-  return tuple(sorted({int(i) for i in eos_id}))
+    eos_id = (eos_id,)
+  ids = tuple(sorted({int(i) for i in eos_id}))
+  if vocab_size is not None and any(not 0 <= i < vocab_size for i in ids):
+    raise ValueError(f'stop ids {ids} must be in [0, vocab_size={vocab_size})')
+  return ids
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, vocab_size: int) -> None:
+  """Sampling settings that mean something: finite ``temperature >= 0``, ``top_p`` in (0, 1],
+  ``top_k`` in ``[0, vocab_size]``."""
+  if not math.isfinite(temperature) or temperature < 0:
+    raise ValueError(f'{temperature=} must be finite and >= 0')
+  if not 0.0 < top_p <= 1.0:  # also rejects nan
+    raise ValueError(f'{top_p=} must be in (0, 1]')
+  if top_k < 0 or top_k > vocab_size:
+    raise ValueError(f'{top_k=} must be in [0, vocab_size={vocab_size}]')
 
 
 def _prepare_prompts(
@@ -117,6 +133,16 @@ def _prepare_prompts(
       f'prompt ({longest}) + max_new_tokens ({max_new_tokens}) + round overhang ({extra}) = '
       f'{needed} exceeds the model context {target.cfg.max_position_embeddings}'
     )
+  # A shared-shape request that does not fit would silently compile another shape.
+  if min_prompt_bucket and min_prompt_bucket < longest:
+    raise ValueError(f'{min_prompt_bucket=} is shorter than the longest prompt ({longest})')
+  if min_capacity and min_capacity < needed:
+    raise ValueError(
+      f'{min_capacity=} is below what this call needs: prompt ({longest}) + max_new_tokens '
+      f'({max_new_tokens}) + round overhang ({extra}) = {needed}'
+    )
+  if min_prompt_bucket < 0 or min_capacity < 0:
+    raise ValueError(f'{min_prompt_bucket=} and {min_capacity=} must be >= 0')
   padded = np.zeros((len(arrays), max(bucket(longest), min_prompt_bucket)), np.int32)
   for i, ids in enumerate(arrays):
     padded[i, : ids.size] = ids
@@ -226,7 +252,8 @@ def generate_with_features(
     state); the last response token's row is zeros (the target never reads it). Without
     ``feature_taps`` the features are None (plain generation, the same tokens).
   """
-  eos = stop_ids(eos_id, target.cfg.eos_token_id)
+  check_sampling(temperature, top_p, 0, target.cfg.vocab_size)
+  eos = stop_ids(eos_id, target.cfg.eos_token_id, target.cfg.vocab_size)
   sampling = Sampling(float(temperature), 0, float(top_p), eos)
   key = jax.random.key(seed)
   out, n, lengths, features, _ = _run_ar(
@@ -263,6 +290,8 @@ def generate(
   threshold: float = 0.5,
   recycle: bool = True,
   refine_passes: int = 0,
+  copy_len: int = 0,
+  copy_ngram: int = 4,
   min_prompt_bucket: int = 0,
   min_capacity: int = 0,
 ) -> GenerateOutput | list[GenerateOutput]:
@@ -296,6 +325,12 @@ def generate(
     recycle: ``'jetspecpp'``: seed each block's slots with the previous draft of their positions
       (False: MASK slots, i.e. the JetSpec round with this head).
     refine_passes: ``'jetspecpp'``: extra head passes per round, each fed the last pass's trunk.
+    copy_len: ``'chain'``, ``'tree'``, ``'jetspecpp'``: copy candidates, up to this many tokens
+      that followed the latest longest match of the context's suffix, as one more branch
+      (:mod:`jetspec_jax.prompt_lookup`; 0: off, at most the head's depth). They count in
+      ``budget`` (the head's tree gets ``budget - copy_len`` nodes); a chain gets them on top.
+      ``stats.round_stats`` then counts ``copy_nodes`` and ``copy_accepted``.
+    copy_ngram: longest context suffix the copy search matches (1..copy_ngram tokens).
     min_prompt_bucket: pad the prompt to at least this many positions (shared compilations).
     min_capacity: cache capacity of at least this many slots (shared compilations).
 
@@ -304,13 +339,8 @@ def generate(
   """
   if method not in METHODS:
     raise ValueError(f'method must be one of {METHODS}, got {method!r}')
-  if temperature < 0:
-    raise ValueError(f'{temperature=} must be >= 0')
-  if not 0.0 < top_p <= 1.0:
-    raise ValueError(f'{top_p=} must be in (0, 1]')
-  if top_k < 0 or top_k > target.cfg.vocab_size:
-    raise ValueError(f'{top_k=} must be in [0, vocab_size={target.cfg.vocab_size}]')
-  eos = stop_ids(eos_id, target.cfg.eos_token_id)
+  check_sampling(temperature, top_p, top_k, target.cfg.vocab_size)
+  eos = stop_ids(eos_id, target.cfg.eos_token_id, target.cfg.vocab_size)
   sampling = Sampling(float(temperature), int(top_k), float(top_p), eos)
   key = jax.random.key(seed)
   batch = _is_batch(prompt_ids)
@@ -349,6 +379,8 @@ def generate(
     threshold=threshold,
     recycle=recycle,
     refine_passes=refine_passes,
+    copy_len=copy_len,
+    copy_ngram=copy_ngram,
   )
   prompts, lengths, capacity = _prepare_prompts(
     target, prompt_list, max_new_tokens, overhang + bs, min_prompt_bucket, min_capacity
@@ -385,14 +417,24 @@ def make_round(
   threshold: float = 0.5,
   recycle: bool = True,
   refine_passes: int = 0,
+  copy_len: int = 0,
+  copy_ngram: int = 4,
 ):
   """The round function of a speculative ``method`` (arguments as :func:`generate`), and how
   many nodes past the committed prefix one of its rounds may write (``overhang``)."""
   bs = head.cfg.block_size
   if method == 'dspark':
+    if copy_len:
+      raise ValueError(f"copy_len={copy_len} is for 'chain', 'tree' and 'jetspecpp' rounds")
     return dspark_lib.DSparkRound(verify_length, float(threshold)), head.cfg.max_depth + 1
+  if not 0 <= copy_len <= head.cfg.max_depth:
+    raise ValueError(f'{copy_len=} must be in [0, the head depth {head.cfg.max_depth}]')
+  if copy_ngram < 1:
+    raise ValueError(f'{copy_ngram=} must be >= 1')
+  copy = dict(copy_len=int(copy_len), copy_ngram=int(copy_ngram))
   if method == 'chain':
-    return rounds_lib.TreeRound(TreeSettings(budget=bs, width=1)), bs
+    settings = TreeSettings(budget=bs + copy_len, width=1, **copy)
+    return rounds_lib.TreeRound(settings), settings.budget
   if budget < 1:
     raise ValueError(f'{budget=} must be >= 1 (it counts the root)')
   if not 1 <= width <= target.cfg.vocab_size:
@@ -401,7 +443,9 @@ def make_round(
     raise ValueError(
       f'tree_algorithm must be one of {sorted(tree_lib.TREE_BUILDERS)}, got {tree_algorithm!r}'
     )
-  settings = TreeSettings(budget=int(budget), width=int(width), algorithm=tree_algorithm)
+  if budget - copy_len < 1:
+    raise ValueError(f'{budget=} leaves no node for the head after {copy_len=} (the root counts)')
+  settings = TreeSettings(budget=int(budget), width=int(width), algorithm=tree_algorithm, **copy)
   if method == 'jetspecpp':
     return jetspecpp_lib.JetSpecPPRound(
       settings, bool(recycle), int(refine_passes)

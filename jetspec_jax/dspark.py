@@ -305,6 +305,10 @@ class DSparkRound:
       raise ValueError(f'verify_length must be one of {VERIFY_LENGTHS}, got {self.verify_length!r}')
     if not 0.0 <= self.threshold <= 1.0:
       raise ValueError(f'threshold={self.threshold} must be in [0, 1]')
+    if self.widths and (
+      self.widths[0] < 1 or any(a >= b for a, b in zip(self.widths, self.widths[1:]))
+    ):
+      raise ValueError(f'widths={self.widths} must be ascending and >= 1')
 
   def __call__(self, target, head, state, sampling, sps=None):
     return dspark_round(target, head, state, sampling, self, sps)
@@ -327,6 +331,9 @@ def dspark_round(
   """One DSpark round: draft chain -> verify length -> verify -> accept -> commit."""
   gamma = head.cfg.max_depth
   widths = settings.widths or verify_widths(gamma)
+  if widths[-1] != gamma + 1:
+    # A shorter last width would leave long verifies reading zero-padded logits.
+    raise ValueError(f'widths={widths} must end at the whole chain, gamma + 1 = {gamma + 1}')
   draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
   hidden = head.block_hidden(target, draft_cache, state.anchor)  # [B, gamma, D]
   key, draft_key, accept_key = jax.random.split(state.key, 3)

@@ -107,6 +107,7 @@ def jetspecpp_round(
   checked = fed & committed_slot
   correct = checked & (guesses == out.committed[:, : guesses.shape[1]])
   stats = dict(
+    **(out.stats or {}),
     guessed=jnp.sum(fed, axis=1, dtype=jnp.int32),
     guess_checked=jnp.sum(checked, axis=1, dtype=jnp.int32),
     guess_correct=jnp.sum(correct, axis=1, dtype=jnp.int32),
@@ -130,7 +131,14 @@ class JetSpecPPRound:
   settings: rounds_lib.TreeSettings
   recycle: bool = True
   refine_passes: int = 0
-  stat_names = STAT_NAMES
+
+  @property
+  def stat_names(self) -> tuple[str, ...]:
+    return STAT_NAMES + self.settings.stat_names
+
+  @property
+  def keeps_history(self) -> bool:
+    return self.settings.copy_len > 0
 
   def __post_init__(self):
     if self.refine_passes < 0:

@@ -18,6 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax import prompt_lookup
 from jetspec_jax import tree as tree_lib
 from jetspec_jax import verify as verify_lib
 from jetspec_jax.kv_cache import KVCache
@@ -162,11 +163,32 @@ def ar_loop(
 
 @dataclasses.dataclass(frozen=True)
 class TreeSettings:
-  """Static tree shape: ``budget`` nodes (root included), ``width`` candidates per depth."""
+  """Static tree shape: ``budget`` nodes (root included), ``width`` candidates per depth.
+
+  ``copy_len > 0`` adds copy candidates (:mod:`jetspec_jax.prompt_lookup`): up to ``copy_len``
+  tokens that followed the latest longest match (``1..copy_ngram`` tokens) of the context's
+  suffix join the tree as one branch (:func:`jetspec_jax.tree.add_branch`). They count in the
+  budget: the head's tree gets ``budget - copy_len`` nodes.
+  """
 
   budget: int
   width: int
   algorithm: str = 'accum_logp'
+  copy_len: int = 0
+  copy_ngram: int = 4
+
+  def __post_init__(self):
+    if self.copy_len < 0 or self.copy_ngram < 1:
+      raise ValueError(f'{self.copy_len=} must be >= 0 and {self.copy_ngram=} >= 1')
+    if self.budget - self.copy_len < 1:
+      raise ValueError(
+        f'budget={self.budget} leaves no node for the head after copy_len={self.copy_len} '
+        '(the root counts)'
+      )
+
+  @property
+  def stat_names(self) -> tuple[str, ...]:
+    return COPY_STATS if self.copy_len else ()
 
 
 @flax.struct.dataclass
@@ -183,6 +205,8 @@ class RoundState:
     guesses: JetSpec++ only: ``int32[B, D]`` the last draft's tokens (its rank-1 trunk) at
       depths ``1..D`` of the last block, anchored ``num_pending`` positions before ``anchor``
       (:mod:`jetspec_jax.jetspecpp`); None for other rounds.
+    history: ``int32[B, S]`` committed tokens ``x[0..P]`` (prompt, then every committed token),
+      for rounds with copy candidates; None for other rounds.
   """
 
   cache: KVCache
@@ -192,6 +216,7 @@ class RoundState:
   anchor: Array
   key: jax.Array
   guesses: Array | None = None
+  history: Array | None = None
 
 
 @flax.struct.dataclass
@@ -225,6 +250,10 @@ class RoundOutput:
   stats: dict | None = None
 
 
+# Per-round counters of a round with copy candidates: nodes the copy branch added to the tree,
+# and how many of them were accepted (drafts the head's own tree did not hold).
+COPY_STATS = ('copy_nodes', 'copy_accepted')
+
 Choose = Callable[[tree_lib.Tree, Array, jax.Array], Array]
 
 
@@ -237,8 +266,12 @@ def start_rounds(
   *,
   capacity: int,
   sampling: Sampling,
+  keep_history: bool = False,
 ) -> RoundState:
-  """Prefill the target, read the prompt's features into the head, sample the first token."""
+  """Prefill the target, read the prompt's features into the head, sample the first token.
+
+  ``keep_history``: also keep the committed tokens (:attr:`RoundState.history`, with room for
+  ``capacity`` plus one round's commit)."""
   b, rows = prompts.shape[0], head.cfg.max_depth + 1  # a round commits at most max_depth + 1
   cache, last_logits, features = prefill(
     target, prompts, prompt_lens, capacity, taps=head.cfg.target_layer_ids
@@ -247,7 +280,12 @@ def start_rounds(
   key, sub = jax.random.split(key)
   anchor = sampling.sample(last_logits, sub)  # [B]
   pending = jnp.zeros((b, rows, features.shape[-1]), features.dtype)
-  return RoundState(cache, draft_cache, pending, jnp.zeros((b,), jnp.int32), anchor, key)
+  history = None
+  if keep_history:
+    history = prompt_lookup.start_history(prompts, prompt_lens, anchor, capacity + rows)
+  return RoundState(
+    cache, draft_cache, pending, jnp.zeros((b,), jnp.int32), anchor, key, history=history
+  )
 
 
 def speculative_round(
@@ -284,11 +322,7 @@ def verify_tree_round(
   """The rest of a tree round, from the per-depth ``draft_logits [B, D, V]``: tree -> verify ->
   accept -> commit. ``draft_cache`` already holds the committed context's features."""
   max_depth = head.cfg.max_depth
-  ids, logprobs = tree_lib.topk_per_depth(draft_logits, tree_settings.width)
-  builder = functools.partial(
-    tree_lib.TREE_BUILDERS[tree_settings.algorithm], budget=tree_settings.budget
-  )
-  tree = jax.vmap(lambda i, lp, a: builder(i, lp, anchor=a))(ids, logprobs, state.anchor)
+  tree, from_copy = draft_tree(draft_logits, state, tree_settings)
   anc = jax.vmap(lambda p: tree_lib.ancestor_mask(p, max_depth))(tree.parents)
   verified = verify_lib.verify_tree(target, state.cache, tree, anc, head.cfg.target_layer_ids)
   key, sub = jax.random.split(state.key)
@@ -305,6 +339,15 @@ def verify_tree_round(
   rows = jnp.arange(bonus.shape[0])
   committed = committed.at[rows, accepted.num_accepted].set(bonus)
   tau = accepted.num_accepted + 1
+  stats = None
+  if from_copy is not None:
+    on_path = jnp.arange(max_depth + 1)[None] <= accepted.num_accepted[:, None]
+    stats = dict(
+      copy_nodes=jnp.sum(from_copy, axis=1, dtype=jnp.int32),
+      copy_accepted=jnp.sum(
+        jnp.take_along_axis(from_copy, accepted.path, axis=1) & on_path, axis=1, dtype=jnp.int32
+      ),
+    )
   new_state = state.replace(
     cache=cache,
     draft_cache=draft_cache,
@@ -313,8 +356,35 @@ def verify_tree_round(
     anchor=bonus,
     key=key,
   )
-  out = RoundOutput(committed, tau, tree, anc, choices, accepted.path, draft_logits)
+  out = RoundOutput(committed, tau, tree, anc, choices, accepted.path, draft_logits, stats=stats)
   return new_state, out
+
+
+def draft_tree(
+  draft_logits: Array, state: RoundState, settings: TreeSettings
+) -> tuple[tree_lib.Tree, Array | None]:
+  """The round's trees ``[B, budget]`` from per-depth logits ``[B, D, V]``, and with copy
+  candidates (``settings.copy_len > 0``) which nodes they added (``bool[B, budget]``)."""
+  ids, logprobs = tree_lib.topk_per_depth(draft_logits, settings.width)
+  head_budget = settings.budget - settings.copy_len
+  builder = functools.partial(tree_lib.TREE_BUILDERS[settings.algorithm], budget=head_budget)
+  tree = jax.vmap(lambda i, lp, a: builder(i, lp, anchor=a))(ids, logprobs, state.anchor)
+  if not settings.copy_len:
+    return tree, None
+  if state.history is None:
+    raise ValueError('copy candidates need RoundState.history (start_rounds(keep_history=True))')
+  pad = settings.copy_len
+  tree = tree.replace(
+    tokens=jnp.pad(tree.tokens, ((0, 0), (0, pad))),
+    parents=jnp.pad(tree.parents, ((0, 0), (0, pad)), constant_values=-1),
+    depths=jnp.pad(tree.depths, ((0, 0), (0, pad))),
+    scores=jnp.pad(tree.scores, ((0, 0), (0, pad)), constant_values=-jnp.inf),
+  )
+  lookup = functools.partial(
+    prompt_lookup.continuation, max_ngram=settings.copy_ngram, length=settings.copy_len
+  )
+  tokens, count, _ = jax.vmap(lookup)(state.history, state.cache.lengths)
+  return jax.vmap(tree_lib.add_branch)(tree, tokens, count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +392,14 @@ class TreeRound:
   """A JetSpec (or chain) round as a static, hashable round function of the loop."""
 
   settings: TreeSettings
+
+  @property
+  def stat_names(self) -> tuple[str, ...]:
+    return self.settings.stat_names
+
+  @property
+  def keeps_history(self) -> bool:
+    return self.settings.copy_len > 0
 
   def __call__(self, target, head, state, sampling, round_data=None):
     return speculative_round(target, head, state, sampling, self.settings)
@@ -356,8 +434,8 @@ def speculative_loop(
     prompts: ``int32[B, Pb]`` right-padded prompts; ``prompt_lens``: ``int32[B]``.
     round_data: arrays the round reads (e.g. DSpark's steps-per-second table), or None.
     round_fn: ``round_fn(target, head, state, sampling, round_data) -> (state, RoundOutput)``,
-      optionally with ``init_state(head, state) -> state`` and ``stat_names`` (the counters of
-      its ``RoundOutput.stats``),
+      optionally with ``init_state(head, state) -> state``, ``stat_names`` (the counters of
+      its ``RoundOutput.stats``) and ``keeps_history`` (it reads :attr:`RoundState.history`),
       static and hashable (:class:`TreeRound`, :class:`jetspec_jax.dspark.DSparkRound`).
 
   Returns:
@@ -367,7 +445,14 @@ def speculative_loop(
   """
   b, bs = prompts.shape[0], head.cfg.max_depth + 1
   state = start_rounds(
-    target, head, prompts, prompt_lens, key, capacity=capacity, sampling=sampling
+    target,
+    head,
+    prompts,
+    prompt_lens,
+    key,
+    capacity=capacity,
+    sampling=sampling,
+    keep_history=getattr(round_fn, 'keeps_history', False),
   )
   if hasattr(round_fn, 'init_state'):  # a round that carries more (JetSpec++: its guesses)
     state = round_fn.init_state(head, state)
@@ -385,7 +470,10 @@ def speculative_loop(
   def body(carry):
     n, rounds, done, out, taus, stats, state = carry
     live = active(n, done)
+    start = state.cache.lengths
     state, step = round_fn(target, head, state, sampling, round_data)
+    if state.history is not None:
+      state = state.replace(history=prompt_lookup.record(state.history, start, step.committed))
     stats = {k: v + jnp.where(live, step.stats[k], 0) for k, v in stats.items()}
     committed, tau = step.committed, step.tau
     written = jax.vmap(lambda o, c, i: jax.lax.dynamic_update_slice(o, c, (i,)))(out, committed, n)

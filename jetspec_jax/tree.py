@@ -215,6 +215,53 @@ def top2gap(
   return build_with_caps(topk_ids, topk_logprobs, budget, caps, anchor=anchor)
 
 
+def add_branch(
+  tree: Tree, tokens: Int[Array, ' L'], count: Int[Array, '']
+) -> tuple[Tree, Bool[Array, ' M']]:
+  """Joins the chain ``tokens[:count]`` (from the root down) to ``tree``.
+
+  The chain follows the tree while a node already holds its next token (an existing path it
+  agrees with), then continues as new nodes appended after ``num_nodes``: a branch from the root
+  where it agrees with nothing, an extension where it agrees with a path's start. Siblings stay
+  distinct (a new node's token is not among its parent's children), so acceptance is unchanged.
+  New nodes carry their parent's score (they have no draft probability). With room for fewer than
+  ``count`` new nodes the chain is cut. Example: tree ``r -> a -> c`` and chain ``a d e``::
+
+    before: 0 r, 1 a (parent 0), 2 c (parent 1)
+    after:  ... 3 d (parent 1), 4 e (parent 3)        "a" was followed, "d e" appended
+
+  Returns:
+    (the tree, ``bool[M]``: which nodes the chain added).
+  """
+  m = tree.size
+  idx = jnp.arange(m)
+  added = jnp.zeros((m,), bool)
+
+  def step(d, carry):
+    tree, added, node, following, alive = carry
+    live = alive & (d < count)
+    hit = (idx < tree.num_nodes) & (tree.parents == node) & (tree.tokens == tokens[d])
+    follow = live & following & jnp.any(hit)
+    new = tree.num_nodes
+    append = live & ~follow & (new < m)
+    dst = jnp.where(append, new, m)  # out of range: dropped
+    tree = tree.replace(
+      tokens=tree.tokens.at[dst].set(tokens[d], mode='drop'),
+      parents=tree.parents.at[dst].set(node, mode='drop'),
+      depths=tree.depths.at[dst].set(tree.depths[node] + 1, mode='drop'),
+      scores=tree.scores.at[dst].set(tree.scores[node], mode='drop'),
+      num_nodes=new + append.astype(jnp.int32),
+    )
+    added = added.at[dst].set(True, mode='drop')
+    node = jnp.where(follow, jnp.argmax(hit), jnp.where(append, new, node)).astype(jnp.int32)
+    # Once appended, always appended; a chain that can neither follow nor append (no room) ends.
+    return tree, added, node, follow, follow | append
+
+  init = (tree, added, jnp.int32(0), jnp.bool_(True), jnp.bool_(True))
+  tree, added, *_ = jax.lax.fori_loop(0, tokens.shape[0], step, init)
+  return tree, added
+
+
 TREE_BUILDERS = {'accum_logp': accum_logp, 'top2gap': top2gap}
 
 

@@ -270,6 +270,24 @@ def test_bad_arguments(target, heads):
     js.generate(target, head, prompt, temperature=1.0, top_p=0.0)
   with pytest.raises(ValueError, match='tree_algorithm'):
     js.generate(target, head, prompt, tree_algorithm='beam')
+  for method in ('ar', 'tree'):
+    for bad in (float('nan'), float('inf'), -1.0):
+      with pytest.raises(ValueError, match='must be finite and >= 0'):
+        js.generate(target, head, prompt, method=method, temperature=bad)
+    for bad in (float('nan'), float('inf'), 1.5):
+      with pytest.raises(ValueError, match='top_p'):
+        js.generate(target, head, prompt, method=method, temperature=1.0, top_p=bad)
+    for bad in (17, -1, (3, 40)):
+      with pytest.raises(ValueError, match=r'stop ids .* must be in \[0, vocab_size=17\)'):
+        js.generate(target, head, prompt, method=method, eos_id=bad)
+    with pytest.raises(ValueError, match='min_capacity=32 is below what this call needs'):
+      js.generate(target, head, prompt, method=method, max_new_tokens=30, min_capacity=32)
+    with pytest.raises(ValueError, match='min_prompt_bucket=2 is shorter than the longest'):
+      js.generate(target, head, prompt, method=method, min_prompt_bucket=2)
+  with pytest.raises(ValueError, match='stop ids'):
+    js.decoding.generate_with_features(target, [prompt], max_new_tokens=4, eos_id=99)
+  with pytest.raises(ValueError, match='temperature'):
+    js.decoding.generate_with_features(target, [prompt], max_new_tokens=4, temperature=np.nan)
 
 
 def test_trace_first_round_matches_generate(target, heads):

@@ -308,6 +308,21 @@ def test_wrong_methods_and_settings_are_errors(target, heads, prompts, tmp_path)
     js.generate(target, heads[3], prompts[0], max_new_tokens=4, method='dspark', threshold=1.5)
   with pytest.raises(ValueError, match='causal=False'):
     dh.config_for_target(target.cfg, causal=True, markov_rank=8)
+  with pytest.raises(ValueError, match='must be ascending'):
+    dspark.DSparkRound(widths=(2, 1))
+  prompt, plen, capacity = decoding._prepare_prompt(target, prompts[0], 4, extra=8)
+  with pytest.raises(ValueError, match=r'must end at the whole chain, gamma \+ 1 = 4'):
+    rounds.speculative_loop(
+      target,
+      heads[3],
+      prompt,
+      plen,
+      jax.random.key(0),
+      capacity=capacity,
+      max_new_tokens=4,
+      sampling=rounds.Sampling(),
+      round_fn=dspark.DSparkRound('threshold', 0.0, widths=(1, 2)),
+    )
   js.save_draft_head(heads[3], tmp_path)
   cfg_path = tmp_path / 'config.json'
   cfg_path.write_text(cfg_path.read_text().replace('"dspark"', '"medusa"'))

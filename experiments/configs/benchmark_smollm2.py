@@ -11,6 +11,10 @@ JetSpec++ against JetSpec and DSpark (same data, size and steps): tau with and w
 guesses and refine passes, guess accuracy, the head's share of a round, batch 1 and 8:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:jetspecpp \
       --workdir=benchmarks/smollm2_135m_jetspecpp
+Copy candidates (prompt lookup joined to the trees, chains and JetSpec++ trees; tau, speedup and
+the share of accepted drafts that only the copy branch held), T=0 and T=1, batch 1 and 8:
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:copy \
+      --workdir=benchmarks/smollm2_135m_copy
 
 Held-out chat-formatted prompts in three groups (code: HumanEval as a request; chat:
 ``EVAL_CHAT_INSTRUCTIONS``; math: ``EVAL_MATH_TEMPLATES``), disjoint from the heads' training
@@ -91,6 +95,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       'dspark/dspark/scheduler',
       'jetspecpp/jetspecpp/accum_logp/16/recycle/passes0',
       'jetspecpp/jetspecpp/accum_logp/16/recycle/passes1',
+    )
+  if arg == 'copy':
+    config.heads.jetspecpp = 'assets/jetspecpp_head_smollm2_135m'
+    config.num_per_group = 3
+    config.budgets = (8, 16)
+    config.tree_algorithms = ('accum_logp',)
+    config.jetspecpp_variants = ((True, 0),)
+    config.copy_lens = (0, 4, 7)  # 7: the heads' whole depth (block size 8)
+    config.peers = ()
+    config.batch_sizes = (1, 8)
+    config.batch_temperatures = (0.0,)
+    config.batch_settings = (
+      'ar',
+      'tree/jetspec/accum_logp/16',
+      'tree/jetspec/accum_logp/16/copy7',
+      'tree/jetspec/accum_logp/8/copy4',
     )
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
     config.budgets = (8, 16, 32)

@@ -1,0 +1,204 @@
+"""Copy candidates (prompt lookup) in trees, chains and JetSpec++ trees: the suffix search against
+a brute-force reference, the branch join, and the lossless invariants with the branch on (greedy
+== AR with copied drafts accepted, T > 0 == the target's distribution)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jetspec_jax as js
+from jetspec_jax import decoding, prompt_lookup, rounds
+from jetspec_jax import tree as tree_lib
+from tests.test_decoding import assert_chi_square, exact_distribution
+
+VOCAB = 17
+
+
+def continuation_reference(history, last, max_ngram, length):
+  """Longest suffix match (1..max_ngram tokens) ending before ``last``; then the most tokens
+  after it (up to ``length``); then the latest."""
+  for n in range(min(max_ngram, last + 1), 0, -1):
+    suffix = list(history[last - n + 1 : last + 1])
+    found = [
+      (min(length, last - j), j)
+      for j in range(n - 1, last)
+      if list(history[j - n + 1 : j + 1]) == suffix
+    ]
+    if found:
+      count, j = max(found)
+      return list(history[j + 1 : j + 1 + count]), n
+  return [], 0
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_continuation_matches_reference(seed):
+  rng = np.random.default_rng(seed)
+  lookup = jax.jit(
+    functools.partial(prompt_lookup.continuation, max_ngram=3, length=5), static_argnums=()
+  )
+  for _ in range(40):
+    history = rng.integers(0, 4, size=24).astype(np.int32)
+    last = int(rng.integers(0, 24))
+    tokens, count, ngram = jax.device_get(lookup(jnp.asarray(history), jnp.int32(last)))
+    want, want_n = continuation_reference(history, last, 3, 5)
+    assert int(ngram) == want_n and int(count) == len(want), (history, last)
+    np.testing.assert_array_equal(tokens[: int(count)], want)
+
+
+def test_docstring_example():
+  history = jnp.array([0, 1, 2, 3, 9, 1, 2, 3], jnp.int32)  # a b c d x b c d
+  tokens, count, ngram = prompt_lookup.continuation(history, jnp.int32(7), max_ngram=3, length=6)
+  assert (int(count), int(ngram)) == (4, 3)
+  np.testing.assert_array_equal(tokens[:4], [9, 1, 2, 3])
+
+
+def padded(tree, extra):
+  return tree.replace(
+    tokens=jnp.pad(tree.tokens, (0, extra)),
+    parents=jnp.pad(tree.parents, (0, extra), constant_values=-1),
+    depths=jnp.pad(tree.depths, (0, extra)),
+    scores=jnp.pad(tree.scores, (0, extra), constant_values=-jnp.inf),
+  )
+
+
+def test_add_branch_follows_then_appends():
+  """Tree r -> {a, b}, a -> {c, d}; the chain ``a e f`` follows ``a`` and appends ``e f``."""
+  ids = jnp.array([[5, 6], [7, 8]])
+  tree = tree_lib.accum_logp(ids, jnp.log(jnp.array([[0.6, 0.3], [0.5, 0.4]])), 5, anchor=1)
+  joined, added = tree_lib.add_branch(padded(tree, 3), jnp.array([5, 9, 4]), jnp.int32(3))
+  assert int(joined.num_nodes) == 7
+  np.testing.assert_array_equal(joined.tokens[:7], [1, 5, 6, 7, 8, 9, 4])
+  np.testing.assert_array_equal(joined.parents[:7], [-1, 0, 0, 1, 1, 1, 5])
+  np.testing.assert_array_equal(joined.depths[:7], [0, 1, 1, 2, 2, 2, 3])
+  np.testing.assert_array_equal(added, [0, 0, 0, 0, 0, 1, 1, 0])
+  # A chain the tree already holds adds nothing; a short count stops it; no room cuts it.
+  same, added = tree_lib.add_branch(padded(tree, 3), jnp.array([5, 7, 4]), jnp.int32(2))
+  assert int(same.num_nodes) == 5 and not added.any()
+  cut, added = tree_lib.add_branch(padded(tree, 1), jnp.array([6, 2, 3]), jnp.int32(3))
+  assert int(cut.num_nodes) == 6 and int(added.sum()) == 1 and int(cut.parents[5]) == 2
+
+
+@pytest.mark.parametrize('seed', range(3))
+def test_add_branch_keeps_a_valid_tree(seed):
+  """Parents precede children, depths step by one, siblings stay distinct, and the chain's
+  tokens are exactly one root path."""
+  rng = np.random.default_rng(seed)
+  logits = jnp.asarray(rng.normal(size=(4, VOCAB)), jnp.float32)
+  ids, logprobs = tree_lib.topk_per_depth(logits, 3)
+  tree = padded(tree_lib.accum_logp(ids, logprobs, 9, anchor=0), 4)
+  chain = jnp.concatenate([ids[0, :1], jnp.asarray(rng.integers(0, VOCAB, size=3), jnp.int32)])
+  joined, _ = tree_lib.add_branch(tree, chain, jnp.int32(4))
+  n = int(joined.num_nodes)
+  parents, tokens, depths = (
+    np.asarray(x)[:n] for x in (joined.parents, joined.tokens, joined.depths)
+  )
+  for i in range(1, n):
+    assert parents[i] < i and depths[i] == depths[parents[i]] + 1
+  pairs = {(int(p), int(t)) for p, t in zip(parents[1:], tokens[1:])}
+  assert len(pairs) == n - 1, 'two siblings hold the same token'
+  node = 0
+  for token in np.asarray(chain):
+    kids = [i for i in range(n) if parents[i] == node and tokens[i] == token]
+    assert len(kids) == 1
+    node = kids[0]
+
+
+@pytest.fixture(scope='module')
+def target():
+  return js.testing.tiny_target(0, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope='module')
+def heads(target):
+  return {
+    'causal': js.testing.random_draft_head(target, block_size=6, seed=1),
+    'bidirectional': js.testing.random_draft_head(target, block_size=6, causal=False, seed=2),
+    'jetspecpp': js.testing.random_draft_head(target, block_size=6, seed=3, refine=True),
+  }
+
+
+@pytest.fixture(scope='module')
+def prompts():
+  return [js.testing.random_ids(10 + n, (n,), VOCAB) for n in (1, 6, 23)]
+
+
+@pytest.fixture(scope='module')
+def ar_outputs(target, prompts):
+  return [js.generate(target, None, p, max_new_tokens=30, method='ar').tokens for p in prompts]
+
+
+@pytest.mark.parametrize(
+  'method, head, kwargs',
+  [
+    ('tree', 'causal', dict(budget=16, width=3, copy_len=4)),
+    ('tree', 'bidirectional', dict(budget=6, width=2, copy_len=5, copy_ngram=1)),
+    ('chain', 'causal', dict(copy_len=5)),
+    ('jetspecpp', 'jetspecpp', dict(budget=12, width=3, copy_len=5)),
+  ],
+)
+def test_greedy_with_copy_equals_autoregressive(
+  target, heads, prompts, ar_outputs, method, head, kwargs
+):
+  """Three rows of different lengths in one batch; the copy branch's drafts are accepted in
+  these runs (tiny greedy targets repeat themselves), so its commits are exercised."""
+  outs = js.generate(target, heads[head], prompts, max_new_tokens=30, method=method, **kwargs)
+  copied = 0
+  for out, want in zip(outs, ar_outputs):
+    np.testing.assert_array_equal(out.tokens, want)
+    assert out.stats.round_stats['copy_nodes'] >= out.stats.round_stats['copy_accepted']
+    copied += out.stats.round_stats['copy_accepted']
+  assert copied > 0, 'no copied draft was accepted: the branch went untested'
+
+
+def test_copy_raises_tau_where_the_output_repeats(target, heads, ar_outputs, prompts):
+  """The 23-token prompt's greedy output is one token repeated: copying alone (a budget that
+  leaves the head only the root) accepts whole copied chains."""
+  out = js.generate(
+    target, heads['causal'], prompts[2], max_new_tokens=30, method='tree', budget=6, copy_len=5
+  )
+  np.testing.assert_array_equal(out.tokens, ar_outputs[2])
+  assert out.stats.tau.max() == 6 and out.stats.mean_tau > 1.5
+
+
+def test_sampled_with_copy_matches_target_distribution():
+  """T = 1, two rows, several rounds, with a copy branch taking half the tree: each row's
+  4-token sequence follows the target's distribution, and copied drafts were accepted."""
+  target = js.testing.tiny_target(5, vocab_size=5)
+  target = target.replace(params=jax.tree.map(lambda p: p * 1.5, target.params))
+  head = js.testing.random_draft_head(target, block_size=3, seed=6)
+  rows = [np.array([1, 3, 1, 3, 0, 2]), np.array([4, 1])]
+  prompts, lengths, capacity = decoding._prepare_prompts(target, rows, 4, extra=16)
+  settings = rounds.TreeSettings(budget=4, width=2, copy_len=2, copy_ngram=2)
+  loop = functools.partial(
+    rounds.speculative_loop,
+    capacity=capacity,
+    max_new_tokens=4,
+    sampling=rounds.Sampling(1.0),
+    round_fn=rounds.TreeRound(settings),
+  )
+  draw = jax.jit(jax.vmap(lambda k: loop(target, head, prompts, lengths, k)))
+  counts = np.zeros((2, 625))
+  copied = 0
+  for chunk in range(5):
+    keys = jax.random.split(jax.random.key(chunk), 2000)
+    tokens, _, _, _, stats = jax.device_get(draw(keys))
+    copied += int(stats['copy_accepted'].sum())
+    for r in range(2):
+      counts[r] += np.bincount(tokens[:, r, :4] @ np.array([125, 25, 5, 1]), minlength=625)
+  assert copied > 1000
+  for r, prompt in enumerate(rows):
+    assert_chi_square(counts[r], exact_distribution(target, prompt, 4, 1.0, 0, 1.0))
+
+
+def test_bad_copy_settings(target, heads, prompts):
+  with pytest.raises(ValueError, match='copy_len=6 must be in'):
+    js.generate(target, heads['causal'], prompts[0], method='chain', copy_len=6)
+  with pytest.raises(ValueError, match='leaves no node for the head'):
+    js.generate(target, heads['causal'], prompts[0], method='tree', budget=4, copy_len=4)
+  with pytest.raises(ValueError, match='copy_ngram=0'):
+    js.generate(target, heads['causal'], prompts[0], method='tree', copy_len=2, copy_ngram=0)
+  with pytest.raises(ValueError, match='no node for the head'):
+    rounds.TreeSettings(budget=3, width=2, copy_len=3)
