@@ -155,18 +155,59 @@ def _read_hf_dir(path: pathlib.Path) -> tuple[tokenizers.Tokenizer, dict]:
   return backend, found
 
 
+# How text is split before BPE, by GGUF ``tokenizer.ggml.pre`` type (llama.cpp's names). The
+# splits are the models' own: Llama-3 keeps numbers in runs of up to 3 digits and attaches one
+# leading non-letter to a word; Qwen2 does the same with single digits. Both match contractions
+# case-insensitively and keep newline runs apart from other whitespace.
+_LLAMA3_SPLIT = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+  r'| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+'
+)
+_QWEN2_SPLIT = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+  r'| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+'
+)
+PRE_TOKENIZER_SPLITS = {
+  'llama-bpe': _LLAMA3_SPLIT,
+  'llama3': _LLAMA3_SPLIT,
+  'llama-v3': _LLAMA3_SPLIT,
+  'qwen2': _QWEN2_SPLIT,
+  'deepseek-r1-qwen': _QWEN2_SPLIT,
+}
+# GPT-2's own split (byte-level BPE's built-in regex): 'gpt2', and 'default' / no key at all,
+# which llama.cpp reads as GPT-2's; 'smollm' adds a split before every digit.
+GPT2_PRE_TYPES = (None, 'default', 'gpt2', 'smollm')
+
+
+def _pre_tokenizer(pre: str | None):
+  """The pre-tokenizer of GGUF pre-tokenizer type ``pre``; an unknown type is an error (a guess
+  would tokenize digits and whitespace differently from the model's own tokenizer)."""
+  if pre in PRE_TOKENIZER_SPLITS:
+    return pre_tokenizers.Sequence(
+      [
+        pre_tokenizers.Split(tokenizers.Regex(PRE_TOKENIZER_SPLITS[pre]), behavior='isolated'),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+      ]
+    )
+  if pre not in GPT2_PRE_TYPES:
+    known = sorted(PRE_TOKENIZER_SPLITS) + [t for t in GPT2_PRE_TYPES if t]
+    raise CheckpointError(
+      f'GGUF pre-tokenizer type {pre!r} is not supported (supported: {", ".join(sorted(known))})'
+    )
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if pre == 'smollm':  # SmolLM's own pre-tokenizer: every digit is a piece of its own
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+  return byte_level
+
+
 def _byte_level_backend(tokens: list[str], merges: list[str], pre: str | None):
-  """A byte-level BPE ``tokenizers.Tokenizer`` from GGUF's token list and merges."""
+  """A byte-level BPE ``tokenizers.Tokenizer`` from GGUF's token list, merges and
+  pre-tokenizer type."""
+  pre_tokenizer = _pre_tokenizer(pre)
   vocab = {token: i for i, token in enumerate(tokens)}
   pairs = [tuple(m.split(' ', 1)) for m in merges]
   backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  if pre == 'smollm':  # SmolLM's own pre-tokenizer: every digit is a piece of its own
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-      [pre_tokenizers.Digits(individual_digits=True), byte_level]
-    )
-  else:
-    backend.pre_tokenizer = byte_level
+  backend.pre_tokenizer = pre_tokenizer
   backend.decoder = decoders.ByteLevel()
   return backend
 

@@ -17,9 +17,13 @@ What differs from the Triton kernel, and why:
   all heads; the ``G`` query heads that share a K/V head are packed into the rows
   (``block_q * G'`` rows, ``G'`` = ``G`` rounded up to a power of two, so a multiple of 8 for
   every head layout), as in the Triton kernel.
-* **Tail masks** come from the same bit-packed ancestor rows (tree mode, whole tail in one tile:
-  trees are at most a few hundred nodes) or from positions (causal mode, tail tiles up to the row
-  block's last node, for chunked prefill).
+* **The tail is streamed too.** After the prefix tiles the same grid axis visits the tail: the
+  whole tree in one tile (tree mode: at most a few hundred nodes, masked by the same bit-packed
+  ancestor rows), or ``[K, block_tail, H]`` tiles up to the row block's last node (causal mode,
+  chunked prefill), so a 2048-token prefill chunk never holds its whole tail in VMEM.
+* **VMEM is budgeted.** :func:`vmem_bytes` adds up what one program holds (double-buffered blocks,
+  scratch, the score tiles) from the block sizes; that figure, with headroom, is the kernel's
+  ``vmem_limit_bytes`` (a Qwen3-8B bf16 prefill chunk of 2048 tokens: ~5 MiB).
 
 On CPU the kernel runs in TPU interpret mode (``interpret=pltpu.InterpretParams()``), which
 checks TPU semantics (scalar prefetch, VMEM scratch, the grid's order) without a TPU;
@@ -28,6 +32,7 @@ checks TPU semantics (scalar prefetch, VMEM scratch, the grid's order) without a
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +44,8 @@ from pallas_kernels import tree_attention as gpu_kernel
 
 MASK_VALUE = gpu_kernel.MASK_VALUE
 SUBLANES = 8  # a TPU vreg is [8 sublanes, 128 lanes]
+CAUSAL_TAIL_TILE = 128  # tail keys per step in causal mode (chunked prefill)
+VMEM_HEADROOM = 4 << 20  # on top of vmem_bytes: Mosaic's internal scratch and spills
 
 
 def _div(a, b):
@@ -63,6 +70,82 @@ def choose_block_k(capacity: int, block_k: int = 128) -> int:
   return tile if tile % SUBLANES == 0 else capacity
 
 
+def vmem_bytes(
+  *,
+  num_kv_heads: int,
+  head_dim: int,
+  rows: int,
+  block_k: int,
+  block_tail: int,
+  padded: int,
+  tree: bool,
+  itemsize: int,
+) -> int:
+  """What one program holds in VMEM: its double-buffered blocks (queries, a K and a V cache tile,
+  a K and a V tail tile, ancestor words, the output), its float32 scratch (running max and sum
+  pad to 128 lanes) and its score-sized temporaries (scores, probabilities, mask)."""
+  lanes = lambda n: -(-n // 128) * 128  # noqa: E731 - a row's minor dimension pads to 128 lanes
+  kh, h = num_kv_heads, lanes(head_dim)
+  blocks = (
+    kh * rows * h * itemsize  # queries
+    + 2 * block_k * lanes(num_kv_heads * head_dim) * itemsize  # K and V cache tiles
+    + 2 * kh * block_tail * h * itemsize  # K and V tail tiles
+    + (rows * lanes(padded // 32) * 4 if tree else 0)  # ancestor words
+    + kh * rows * h * itemsize  # output
+  )
+  scratch = kh * rows * (128 + 128 + h) * 4
+  scores = 3 * rows * lanes(max(block_k, block_tail)) * 4
+  return 2 * blocks + scratch + scores
+
+
+class Layout(NamedTuple):
+  """How a call is tiled (all static): row blocks of ``block_q`` nodes x ``groups`` packed
+  heads, prefix tiles of ``block_k`` slots, tail tiles of ``block_tail`` keys of ``padded``."""
+
+  groups: int
+  block_q: int
+  rows: int
+  num_row_blocks: int
+  row_pad: int
+  padded: int
+  block_k: int
+  block_tail: int
+  vmem_bytes: int
+
+
+def layout(
+  t: int,
+  num_heads: int,
+  num_kv_heads: int,
+  head_dim: int,
+  capacity: int,
+  *,
+  tree: bool,
+  block_k: int = 128,
+  itemsize: int = 2,
+) -> Layout:
+  """The tiling of ``T`` new rows over a ``capacity``-slot cache, and its VMEM footprint."""
+  groups = gpu_kernel.packed_groups(num_heads // num_kv_heads)  # padding heads included
+  block_q = choose_block_q(t, groups)
+  num_row_blocks = -(-t // block_q)
+  row_pad = num_row_blocks * block_q
+  padded = max(gpu_kernel._pow2_at_least(max(t, row_pad)), 32 if tree else CAUSAL_TAIL_TILE)
+  block_tail = padded if tree else CAUSAL_TAIL_TILE
+  bk = choose_block_k(capacity, block_k)
+  rows = block_q * groups
+  vmem = vmem_bytes(
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    rows=rows,
+    block_k=bk,
+    block_tail=block_tail,
+    padded=padded,
+    tree=tree,
+    itemsize=itemsize,
+  )
+  return Layout(groups, block_q, rows, num_row_blocks, row_pad, padded, bk, block_tail, vmem)
+
+
 def _kernel(
   len_ref,
   q_ref,
@@ -77,10 +160,13 @@ def _kernel(
   groups,
   block_q,
   block_k,
+  block_tail,
+  num_prefix_tiles,
   padded,
   tree,
 ):
-  """One (sequence, row block) at prefix tile ``program_id(2)``; all K/V heads inside."""
+  """One (sequence, row block) at step ``program_id(2)``: prefix tiles first, then tail tiles;
+  all K/V heads inside."""
   if tree:
     bits_ref, o_ref, m_ref, l_ref, acc_ref = rest
   else:
@@ -113,7 +199,7 @@ def _kernel(
 
   start = tile * block_k
 
-  @pl.when(start < prefix_len)
+  @pl.when((tile < num_prefix_tiles) & (start < prefix_len))
   def _prefix():
     mask = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1) < prefix_len
     # Zero the values of slots past the prefix: 0 * NaN garbage would still poison acc.
@@ -123,11 +209,13 @@ def _kernel(
       v = vc_ref[:, cols]
       update(j, kc_ref[:, cols], jnp.where(live, v, jnp.zeros_like(v)), mask)
 
-  @pl.when(tile == pl.num_programs(2) - 1)
-  def _tail_and_write():
-    # Tail node of each row (rows are node-major: row = node * groups + head).
-    node = row_block * block_q + _div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), groups)
-    if tree:
+  # Tail node of each row (rows are node-major: row = node * groups + head).
+  node = row_block * block_q + _div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), groups)
+  first = (tile - num_prefix_tiles) * block_tail  # the tail tile's first key
+  if tree:  # the whole tree is one tail tile
+
+    @pl.when(tile == num_prefix_tiles)
+    def _tree_tail():
       keys = jax.lax.broadcasted_iota(jnp.int32, (1, padded), 1)
       shift = keys & 31
       mask = jnp.zeros((rows, padded), jnp.bool_)
@@ -137,20 +225,18 @@ def _kernel(
         mask = mask | ((jax.lax.shift_right_logical(keys, 5) == w) & (bit == 1))
       for j in range(num_kv_heads):
         update(j, kt_ref[j], vt_ref[j], mask)
-    else:
-      block_tail = min(128, padded)
 
-      def tail_step(i, carry):
-        first = pl.multiple_of(i * block_tail, block_tail)
-        keys = first + jax.lax.broadcasted_iota(jnp.int32, (1, block_tail), 1)
-        for j in range(num_kv_heads):
-          k = kt_ref[j, pl.ds(first, block_tail), :]
-          v = vt_ref[j, pl.ds(first, block_tail), :]
-          update(j, k, v, keys <= node)
-        return carry
+  else:
+    last_node = (row_block + 1) * block_q  # exclusive; no row attends to a later tail key
 
-      last_node = (row_block + 1) * block_q  # exclusive; no row attends to a later tail key
-      jax.lax.fori_loop(0, _cdiv(last_node, block_tail), tail_step, 0)
+    @pl.when((tile >= num_prefix_tiles) & (first < last_node))
+    def _causal_tail():
+      keys = first + jax.lax.broadcasted_iota(jnp.int32, (1, block_tail), 1)
+      for j in range(num_kv_heads):
+        update(j, kt_ref[j], vt_ref[j], keys <= node)
+
+  @pl.when(tile == pl.num_programs(2) - 1)
+  def _write():
     for j in range(num_kv_heads):
       o_ref[j] = (acc_ref[j] / l_ref[j]).astype(o_ref.dtype)
 
@@ -178,13 +264,17 @@ def tree_attention(
   gpu_kernel.check_shapes(q, k_tail, v_tail, k_cache, v_cache, prefix_len, ancestors)
   b, t, n, h = q.shape
   _, s, kh, _ = k_cache.shape
-  groups = gpu_kernel.packed_groups(n // kh)  # rows per node, padding heads included
-  block_q = choose_block_q(t, groups)
-  num_row_blocks = -(-t // block_q)
-  row_pad = num_row_blocks * block_q
-  rows = block_q * groups
-  padded = max(gpu_kernel._pow2_at_least(max(t, row_pad)), 128 if ancestors is None else 32)
-  bk = choose_block_k(s, block_k)
+  tree = ancestors is not None
+  lay = layout(t, n, kh, h, s, tree=tree, block_k=block_k, itemsize=q.dtype.itemsize)
+  groups, block_q, rows, bk, block_tail = (
+    lay.groups,
+    lay.block_q,
+    lay.rows,
+    lay.block_k,
+    lay.block_tail,
+  )
+  num_row_blocks, row_pad, padded = lay.num_row_blocks, lay.row_pad, lay.padded
+  num_prefix_tiles = s // bk
   scale = h**-0.5 if scale is None else scale
 
   q_rows = gpu_kernel.pack_query_rows(q, row_pad, kh)  # [B, K, row_pad * G, H]; tails head-major
@@ -196,19 +286,23 @@ def tree_attention(
   # A finished sequence of a batch may keep growing past the capacity: never read beyond it.
   lengths = jnp.minimum(prefix_len, s).astype(jnp.int32)
 
+  # Steps outside a block's live range name the tile already in VMEM (no copy, no compute).
   def cache_tile(i, r, tile, lens):
     last_live = jnp.maximum(_cdiv(lens[i], bk) - 1, 0)
     return (i, jnp.minimum(tile, last_live), 0)
+
+  def tail_tile(i, r, tile, lens):
+    last_needed = _cdiv((r + 1) * block_q, block_tail) - 1
+    return (i, 0, jnp.clip(tile - num_prefix_tiles, 0, last_needed), 0)
 
   in_specs = [
     pl.BlockSpec((None, kh, rows, h), lambda i, r, tile, lens: (i, 0, r, 0)),
     pl.BlockSpec((None, bk, kh * h), cache_tile),
     pl.BlockSpec((None, bk, kh * h), cache_tile),
-    pl.BlockSpec((None, kh, padded, h), lambda i, r, tile, lens: (i, 0, 0, 0)),
-    pl.BlockSpec((None, kh, padded, h), lambda i, r, tile, lens: (i, 0, 0, 0)),
+    pl.BlockSpec((None, kh, block_tail, h), tail_tile),
+    pl.BlockSpec((None, kh, block_tail, h), tail_tile),
   ]
   args = [lengths, q_rows, k_flat, v_flat, k_tail, v_tail]
-  tree = ancestors is not None
   if tree:
     bits = gpu_kernel.pack_ancestors(ancestors, padded)
     bits = jax.lax.bitcast_convert_type(bits[:, :row_pad], jnp.int32)
@@ -223,12 +317,14 @@ def tree_attention(
     groups=groups,
     block_q=block_q,
     block_k=bk,
+    block_tail=block_tail,
+    num_prefix_tiles=num_prefix_tiles,
     padded=padded,
     tree=tree,
   )
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=1,
-    grid=(b, num_row_blocks, s // bk),
+    grid=(b, num_row_blocks, num_prefix_tiles + padded // block_tail),
     in_specs=in_specs,
     out_specs=pl.BlockSpec((None, kh, rows, h), lambda i, r, tile, lens: (i, 0, r, 0)),
     scratch_shapes=[
@@ -241,7 +337,10 @@ def tree_attention(
     kernel,
     grid_spec=grid_spec,
     out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-    compiler_params=pltpu.CompilerParams(dimension_semantics=('parallel', 'parallel', 'arbitrary')),
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=('parallel', 'parallel', 'arbitrary'),
+      vmem_limit_bytes=lay.vmem_bytes + VMEM_HEADROOM,
+    ),
     interpret=interpret,
     name='tree_attention_tpu',
   )(*args)

@@ -1,10 +1,12 @@
 """``js.load_tokenizer``: the packaged SmolLM2 GGUF's tokenizer against transformers' own reading
-of the same file, an HF directory, stop ids, and bad paths."""
+of the same file, GGUF pre-tokenizer types (tiny files written by the tests), an HF directory,
+stop ids, and bad paths."""
 
 import json
 
 import numpy as np
 import pytest
+from tokenizers import pre_tokenizers
 
 import jetspec_jax as js
 
@@ -107,3 +109,74 @@ def test_eval_prompt_groups_are_chat_formatted(tok):
   opening = tok.encode('<|im_start|>assistant\n')
   for ids in (ids for group in groups.values() for ids in group):
     assert ids[0] == tok.token_to_id('<|im_start|>') and ids[-len(opening) :] == opening
+
+
+def byte_level_vocab() -> tuple[list[str], list[str]]:
+  """Every byte as GPT-2's byte-level character, then merges that cross the places where the
+  pre-tokenizers split differently: digit runs, whitespace and newline runs, a punctuation mark
+  before a word, contractions, a multi-byte character."""
+  tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
+  merges = [
+    '1 2', '12 3', '123 4', 'Ġ 1', '3 .', '. 1', '1 4',
+    'Ġ Ġ', 'ĠĠ Ġ', 'ĠĠĠ Ġ', 'Ċ Ċ', 'Ġ Ċ', 'ĉ t',
+    'h e', 'l l', 'he ll', 'hell o', 'Ġ w', 'o r', 'Ġw or', 'Ġwor l', 'Ġworl d', '. x', '_ f', 'Ġ (',
+    "' s", "' S", "' ve", 'v e', 'I t', 'It \'', 'Ã ©', 'c a', 'ca f', 'caf Ã©',
+    'd e', 'de f', '( a', ': Ċ', 'Ġ =', '= =', 'Ġ +', 'r e', 're t',
+  ]  # fmt: skip
+  for merge in merges:
+    tokens.append(merge.replace(' ', ''))
+  return tokens + ['<|endoftext|>'], merges
+
+
+TOKENIZER_TEXTS = TEXTS + (
+  'x = 1234567 + 12 + 3.14159\n\n\n    y = x.x_f\n',
+  "HE'S here, it'S ok; they've 1,000,000 café\r\n\r\n  \t end",
+)
+
+
+def tiny_gguf_with_tokenizer(path, pre):
+  from tests.test_gguf import TINY_LLAMA, random_llama_tensors
+
+  tokens, merges = byte_level_vocab()
+  cfg = dict(TINY_LLAMA, vocab_size=len(tokens))
+  meta = {
+    'tokenizer.ggml.model': 'gpt2',
+    'tokenizer.ggml.tokens': tokens,
+    'tokenizer.ggml.merges': merges,
+    'tokenizer.ggml.token_type': [1] * (len(tokens) - 1) + [3],
+    'tokenizer.ggml.eos_token_id': len(tokens) - 1,
+  }
+  if pre is not None:
+    meta['tokenizer.ggml.pre'] = pre
+  js.gguf_io.write_gguf(path, cfg, random_llama_tensors(cfg), tokenizer_metadata=meta)
+  return path
+
+
+@pytest.mark.parametrize('pre', [None, 'gpt2', 'llama-bpe', 'qwen2'])
+def test_gguf_pre_tokenizers_match_transformers(pre, tmp_path):
+  """Each supported GGUF pre-tokenizer type is rebuilt exactly: the same ids as transformers'
+  own GGUF tokenizer on digits, whitespace runs, unicode and code."""
+  transformers = pytest.importorskip('transformers')
+  path = tiny_gguf_with_tokenizer(tmp_path / 'tok.gguf', pre)
+  ours = js.load_tokenizer(path)
+  theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+  for text in TOKENIZER_TEXTS:
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text, add_special_tokens=False), (pre, text)
+    assert ours.decode(ids) == text
+
+
+def test_gguf_pre_tokenizers_differ_and_unknown_types_are_errors(tmp_path):
+  """The types really split differently on these texts (so the test above can fail), and a type
+  this loader does not know is an error naming it, not a guess."""
+  encodings = {}
+  for pre in ('gpt2', 'smollm', 'llama-bpe', 'qwen2'):
+    path = tiny_gguf_with_tokenizer(tmp_path / f'{pre}.gguf', pre)
+    encodings[pre] = [js.load_tokenizer(path).encode(t) for t in TOKENIZER_TEXTS]
+  kinds = list(encodings)
+  for i, a in enumerate(kinds):
+    for b in kinds[i + 1 :]:
+      assert encodings[a] != encodings[b], (a, b)
+  path = tiny_gguf_with_tokenizer(tmp_path / 'falcon.gguf', 'falcon')
+  with pytest.raises(js.CheckpointError, match="pre-tokenizer type 'falcon' is not supported"):
+    js.load_tokenizer(path)

@@ -333,3 +333,62 @@ def test_token_shards_keep_the_first_shards_of_each_directory(tmp_path):
   assert len(data_lib.TokenShards(tmp_path)) == 6
   pinned = data_lib.TokenShards(tmp_path, shards_per_dir=2)
   assert sorted(int(pinned[i]['tokens'][0]) for i in range(len(pinned))) == [1, 11, 101, 111]
+
+
+RESUME_SCRIPT = r"""
+import os, sys, tempfile
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_default_matmul_precision", "highest")
+import jetspec_jax as js
+from jetspec_jax.models import draft_head as dh
+from jetspec_jax.training import head_trainer as train_lib
+from absl import logging
+logging.set_verbosity(logging.WARNING)
+assert jax.device_count() == 4
+target = js.testing.tiny_target(0, vocab_size=29)
+cfg = dh.config_for_target(target.cfg, num_layers=1, block_size=5, target_layer_ids=(0, 2))
+rng = np.random.default_rng(0)
+batches = [
+  dict(tokens=jnp.asarray(rng.integers(0, 29, (4, 24)), jnp.int32),
+       loss_mask=jnp.ones((4, 24), jnp.uint8), lengths=jnp.full((4,), 24, jnp.int32),
+       index=jnp.arange(4, dtype=jnp.int32))
+  for _ in range(6)
+]
+opt = train_lib.make_optimizer(lr=1e-2, steps=6, warmup_steps=1)
+settings = train_lib.StepSettings(num_anchors=4, loss="fkl", loss_chunk=4)
+root = tempfile.mkdtemp()
+
+def run(workdir, mesh, **kw):
+  state, _ = train_lib.fit(target, cfg, batches, os.path.join(root, workdir), steps=6,
+                           optimizer=opt, settings=settings, seed=0, log_every=3,
+                           checkpoint_every=3, mesh=js.sharding.make_mesh(*mesh), **kw)
+  return jax.device_get(state)
+
+full = {mesh: run(f"full{mesh}", mesh) for mesh in ((2, 1), (1, 4))}
+for before, after in (((1, 1), (2, 1)), ((2, 1), (2, 1)), ((4, 1), (2, 1)), ((2, 2), (1, 4))):
+  name = f"resume{before}{after}"
+  assert int(run(name, before, stop_after=3).step) == 3
+  resumed = run(name, after)
+  assert int(resumed.step) == 6
+  if before == after:  # bit for bit
+    jax.tree.map(np.testing.assert_array_equal, resumed.params, full[after].params)
+    jax.tree.map(np.testing.assert_array_equal, resumed.opt_state, full[after].opt_state)
+  else:
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4),
+                 resumed.params, full[after].params)
+  print("resumed", before, "->", after)
+print("OK")
+"""
+
+
+def test_resume_on_another_device_count_or_mesh():
+  """A run checkpointed on 1, 2, 4 devices or a (2, 2) mesh resumes on 2 devices or a (1, 4)
+  mesh (4 fake CPU devices): bit-identical to the uninterrupted run on the same mesh, within
+  float tolerance when the mesh changes (a different reduction order)."""
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+  out = subprocess.run(
+    [sys.executable, '-c', RESUME_SCRIPT], capture_output=True, text=True, env=env, timeout=900
+  )
+  assert out.returncode == 0 and 'OK' in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])

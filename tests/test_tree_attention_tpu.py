@@ -52,6 +52,22 @@ def test_tiles_respect_tpu_tiling():
   assert tk.choose_block_k(12) == 12  # no multiple of 8 divides it: the whole cache, one tile
 
 
+@pytest.mark.parametrize('preset', ['qwen3_8b', 'qwen3_30b_a3b', 'qwen3_0_6b', 'smollm2_135m'])
+def test_vmem_footprint_fits_a_v5e_core(preset):
+  """The footprint computed from the block sizes (the kernel's ``vmem_limit_bytes`` less its
+  headroom) stays under 16 MiB for a bf16 prefill chunk of 2048 tokens and a 255-node tree at
+  a 32k-slot cache: the tail is streamed in tiles, not loaded whole (whole, a Qwen3-8B chunk's
+  K and V tails alone would take 16 MiB double-buffered)."""
+  cfg = js.qwen3.PRESETS[preset]()
+  heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+  for t, tree in ((2048, False), (255, True), (1, True)):
+    lay = tk.layout(t, *heads, 32768, tree=tree, itemsize=2)
+    assert lay.vmem_bytes + tk.VMEM_HEADROOM < 16 << 20, (preset, t, lay)
+    assert lay.block_tail <= max(tk.CAUSAL_TAIL_TILE, 256)
+  whole_tail = 2 * 2 * cfg.num_key_value_heads * 2048 * cfg.head_dim * 2
+  assert tk.layout(2048, *heads, 32768, tree=False).vmem_bytes < whole_tail
+
+
 def test_every_head_layout_lowers_to_mosaic():
   assert_grid_lowers(tk.tree_attention, 'tpu', MOSAIC_CALL.pattern)
 

@@ -339,7 +339,8 @@ def fit(
 
   Resume order: existing checkpoint in ``workdir`` > ``init_params`` (e.g. from ``init_from``) >
   scratch (seeded). ``batches[s]`` is the global batch of step ``s``; the anchors of step ``s``
-  come from ``fold_in(key(seed + 1), s)``.
+  come from ``fold_in(key(seed + 1), s)``. The state is replicated over ``mesh``, and a
+  checkpoint restores onto it from any device count or mesh.
 
   Returns:
     (final state, logged metrics).
@@ -359,6 +360,7 @@ def fit(
     checkpoint_every=checkpoint_every,
     stop_after=stop_after,
     tokens_of=lambda batch: int(np.asarray(batch['lengths']).sum()),
+    state_sharding=jax.sharding.NamedSharding(mesh, P()),
   )
 
 

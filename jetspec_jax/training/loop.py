@@ -102,6 +102,7 @@ def train_loop(
   evaluate: Callable[[Any], dict] | None = None,
   eval_every: int = 0,
   max_to_keep: int = 3,
+  state_sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[TrainState, list[dict]]:
   """Runs ``step_fn`` from the resumed (or given) state to ``steps``.
 
@@ -119,6 +120,9 @@ def train_loop(
     evaluate: ``params -> metrics`` added to a log record every ``eval_every`` steps (and last).
     eval_every: see ``evaluate`` (0: only at the last step).
     max_to_keep: checkpoints kept.
+    state_sharding: where the state lives during the run (e.g. replicated over the training
+      mesh); a checkpoint is restored straight onto it, whatever devices wrote it, so a run
+      resumes on another device count or mesh.
 
   Returns:
     (final state, the logged records).
@@ -130,6 +134,8 @@ def train_loop(
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   mngr = ckpt.manager(workdir, max_to_keep=max_to_keep)
+  if state_sharding is not None:
+    state = jax.device_put(state, state_sharding)
   restored = ckpt.restore_latest(mngr, ckpt.abstract_like(state.to_dict()))
   if restored is not None:
     state = TrainState(**restored)
