@@ -119,7 +119,8 @@ def byte_level_vocab() -> tuple[list[str], list[str]]:
   merges = [
     '1 2', '12 3', '123 4', 'Ġ 1', '3 .', '. 1', '1 4',
     'Ġ Ġ', 'ĠĠ Ġ', 'ĠĠĠ Ġ', 'Ċ Ċ', 'Ġ Ċ', 'ĉ t',
-    'h e', 'l l', 'he ll', 'hell o', 'Ġ w', 'o r', 'Ġw or', 'Ġwor l', 'Ġworl d', '. x', '_ f', 'Ġ (',
+    'h e', 'l l', 'he ll', 'hell o', 'Ġ w', 'o r', 'Ġw or', 'Ġwor l', 'Ġworl d',
+    '. x', '_ f', 'Ġ (',
     "' s", "' S", "' ve", 'v e', 'I t', 'It \'', 'Ã ©', 'c a', 'ca f', 'caf Ã©',
     'd e', 'de f', '( a', ': Ċ', 'Ġ =', '= =', 'Ġ +', 'r e', 're t',
   ]  # fmt: skip
