@@ -30,6 +30,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string('head', None, 'The DSpark head to calibrate (released layout).')
 flags.DEFINE_string('target', 'smollm2_135m_instruct', 'Packaged model name or checkpoint path.')
 flags.DEFINE_string('data_dir', None, 'Greedy self-distilled shards with stored features.')
+flags.DEFINE_string('features_dir', None, 'Where their features are, if not beside the shards.')
 flags.DEFINE_string('fit_shards', '6,1', 'SKIP,COUNT of the shards the temperatures are fit on.')
 flags.DEFINE_string('eval_shards', '7,1', 'SKIP,COUNT of the shards the ECE is reported on.')
 flags.DEFINE_integer('num_anchors', 16, 'Blocks per sequence.')
@@ -42,7 +43,11 @@ flags.DEFINE_bool('keep_worse', False, 'Store the temperatures even if held-out 
 def shards(spec: str):
   skip, count = (int(x) for x in spec.split(','))
   return data_lib.TokenShards(
-    FLAGS.data_dir, FLAGS.max_len, shards_per_dir=count, skip_per_dir=skip
+    FLAGS.data_dir,
+    FLAGS.max_len,
+    shards_per_dir=count,
+    skip_per_dir=skip,
+    features_dir=FLAGS.features_dir,
   )
 
 

@@ -1,4 +1,5 @@
-"""The main job: ar vs chain vs tree decoding of SmolLM2-135M-Instruct, lossless and timed.
+"""The main job: ar vs chain vs tree (vs tree + copy candidates) decoding of SmolLM2-135M-Instruct,
+lossless and timed.
 
   make demo   # == python -m experiments.demo [--config=experiments/configs/demo.py[:code_small]]
 
@@ -52,13 +53,16 @@ def run(config, workdir: str = 'runs/demo') -> dict:
   shapes = js.decoding.shared_shapes(
     prompts, config.max_new_tokens, config.budget + head.cfg.block_size
   )
-  settings = (
-    bench.Setting(),
-    bench.Setting('chain', 'jetspec'),
-    bench.Setting('tree', 'jetspec', config.budget, width=config.width),
-  )
+  settings = {
+    'ar': bench.Setting(),
+    'chain': bench.Setting('chain', 'jetspec'),
+    'tree': bench.Setting('tree', 'jetspec', config.budget, width=config.width),
+    'tree+copy': bench.Setting(
+      'tree', 'jetspec', config.budget, width=config.width, copy_len=config.copy_len
+    ),
+  }
   outputs = {
-    s.method: bench.measure(
+    name: bench.measure(
       target,
       {'jetspec': head},
       s,
@@ -67,18 +71,19 @@ def run(config, workdir: str = 'runs/demo') -> dict:
       shapes=shapes,
       eos_id=eos,
     )
-    for s in settings
+    for name, s in settings.items()
   }
-  for name in ('chain', 'tree'):
+  for name in ('chain', 'tree', 'tree+copy'):
     bench.check_lossless(name, outputs[name], outputs['ar'])
   ar_wall = sum(o.stats.wall_s for o in outputs['ar'])
   results = {name: bench.summarize(outs, ar_wall) for name, outs in outputs.items()}
-  print(f'\n{"method":8s} {"tau":>6s} {"tok/s":>8s} {"speedup":>8s}')
+  print(f'\n{"method":10s} {"tau":>6s} {"tok/s":>8s} {"speedup":>8s}')
   for name, r in results.items():
-    print(f'{name:8s} {r["tau"]:6.2f} {r["tps"]:8.1f} {r["speedup"]:7.2f}x')
+    print(f'{name:10s} {r["tau"]:6.2f} {r["tps"]:8.1f} {r["speedup"]:7.2f}x')
   print(
-    f'\ngreedy outputs of ar, chain and tree (budget {config.budget}) are identical on '
-    f'{len(prompts)} held-out prompts'
+    f'\ngreedy outputs of ar, chain, tree (budget {config.budget}) and tree+copy (the same '
+    f'budget, {config.copy_len} of it copy candidates) are identical on {len(prompts)} '
+    'held-out prompts'
   )
   shown = tok.decode(prompts[0].tolist()) + tok.decode(outputs['tree'][0].tokens.tolist())
   print(f'\nfirst prompt and its completion (tree):\n{shown}')
@@ -97,13 +102,14 @@ def write_plot(outputs, workdir: pathlib.Path, block_size: int) -> pathlib.Path:
 
   workdir.mkdir(parents=True, exist_ok=True)
   fig, ax = plt.subplots(figsize=(6, 3.5))
-  for name in ('chain', 'tree'):
+  names = ('chain', 'tree', 'tree+copy')
+  for i, name in enumerate(names):
     taus = np.concatenate([o.stats.tau for o in outputs[name]])
     hist = np.bincount(taus, minlength=block_size + 1)[1:]
     ax.bar(
-      np.arange(1, block_size + 1) + (0.2 if name == 'tree' else -0.2),
+      np.arange(1, block_size + 1) + 0.27 * (i - 1),
       hist / hist.sum(),
-      width=0.4,
+      width=0.27,
       label=f'{name} (mean tau {taus.mean():.2f})',
     )
   ax.set(

@@ -38,17 +38,12 @@ def test_assets_load_and_shipped_heads_are_lossless():
 
 def test_demo_runs_on_tiny_config(tmp_path):
   results = demo.run(demo_config.get_config('tiny'), str(tmp_path))
-  assert set(results) == {'ar', 'chain', 'tree'}
+  assert set(results) == {'ar', 'chain', 'tree', 'tree+copy'}
   saved = json.loads((tmp_path / 'demo.json').read_text())
+  fields = {'tau', 'tps', 'wall_s', 'tokens', 'speedup', 'tau_histogram'}
   for name in ('ar', 'chain', 'tree'):
-    assert set(saved['methods'][name]) == {
-      'tau',
-      'tps',
-      'wall_s',
-      'tokens',
-      'speedup',
-      'tau_histogram',
-    }
+    assert set(saved['methods'][name]) == fields
+  assert set(saved['methods']['tree+copy']) == fields | {'round_stats', 'copy_share'}
   assert saved['methods']['tree']['tau'] >= 1.0 and (tmp_path / 'demo_tau.png').exists()
 
 

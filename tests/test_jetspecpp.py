@@ -69,7 +69,6 @@ def test_greedy_jetspecpp_equals_autoregressive(
   totals = dict.fromkeys(jetspecpp.STAT_NAMES, 0)
   for out, want in zip(outs, ar_outputs):
     np.testing.assert_array_equal(out.tokens, want)
-    assert out.stats.tau.max() <= block_size
     for k, v in out.stats.round_stats.items():
       totals[k] += v
   if recycle:

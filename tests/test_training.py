@@ -323,6 +323,39 @@ def test_stored_features_train_like_the_target_pass(target, head_cfg, dataset, t
   np.testing.assert_allclose(float(stored['loss']), float(computed['loss']), rtol=2e-3)
 
 
+def test_features_recomputed_from_token_shards_equal_collected_ones(target, dataset, tmp_path):
+  """Token shards are the asset, features a cache: a batched teacher-forced forward over the
+  stored tokens gives the features that generation collected (float16 rounding apart), into a
+  separate directory, resumably; tokens are stored as uint16."""
+  _, prompts = dataset
+  taps = (0, 2)
+  collected = tmp_path / 'collected'
+  data_lib.generate_dataset(
+    target, prompts[:6], collected / 'greedy', max_len=40, max_new_tokens=30, shard_size=4,
+    batch_size=4, progress=False, feature_taps=taps,
+  )  # fmt: skip
+  tokens_only = tmp_path / 'tokens'
+  for shard in data_lib.shard_paths(collected):
+    dst = tokens_only / shard.relative_to(collected)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(shard.read_bytes())
+  assert np.load(dst)['tokens'].dtype == np.uint16
+  cache = tmp_path / 'features'
+  assert data_lib.TokenShards(tokens_only, 40, features_dir=cache).feature_taps is None
+  assert data_lib.compute_features(target, tokens_only, cache, taps, batch_size=4) == 2
+  assert data_lib.compute_features(target, tokens_only, cache, taps, batch_size=4) == 0
+  want, got = (
+    data_lib.TokenShards(collected, 40),
+    data_lib.TokenShards(tokens_only, 40, features_dir=cache),
+  )
+  assert got.feature_taps == taps == want.feature_taps and len(got) == len(want) == 6
+  for i in range(6):
+    np.testing.assert_array_equal(got[i]['tokens'], want[i]['tokens'])
+    np.testing.assert_allclose(got[i]['features'], want[i]['features'], atol=2e-2, rtol=1e-2)
+  with pytest.raises(ValueError, match='holds features of taps'):
+    data_lib.compute_features(target, tokens_only, cache, (1,))
+
+
 def test_token_shards_keep_the_first_shards_of_each_directory(tmp_path):
   """``shards_per_dir`` pins a prefix of data that is still being generated."""
   for sub in ('greedy', 'sampled'):

@@ -19,6 +19,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.max_new_tokens = 96
   config.budget = 16
   config.width = 7
+  config.copy_len = 7  # 'tree+copy': copy candidates from the context (the heads' whole depth)
   if arg in ('code_small', 'tiny'):
     config.target = 'assets/target_code_small'
     config.head = 'assets/jetspec_head_code_small'
@@ -28,4 +29,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.num_prompts = 2
     config.max_new_tokens = 24
     config.budget = 16
+    config.copy_len = 4
   return config

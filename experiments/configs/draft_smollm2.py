@@ -1,20 +1,24 @@
 """Heads for SmolLM2-135M-Instruct (the main job's model): JetSpec (causal) and DFlash-style.
 
-Data (once, shared by every head; resumable: re-run the same command; hours on 2 CPU cores; a
-directory outside the checkout survives a fresh clone):
+Data (once, shared by every head; resumable: re-run the same command; hours on 2 CPU cores). The
+token shards are written into the repository (``data/smollm2_135m/``: the self-written
+instructions and the greedy / sampled responses, uint16, compressed) and committed, so a fresh
+machine starts from them; the target features are a cache outside the repository, rebuilt from the
+tokens by a batched forward the first time a head trains (``data.features_dir``):
   python -m experiments.generate_data --config=experiments/configs/draft_smollm2.py \
-      --workdir=$HOME/jetspec_runs/smollm2_data
-Heads (same data, size and steps; training reads the target features stored with the data):
+      --workdir=data/smollm2_135m
+Heads (same data, size and steps):
   python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:jetspec \
-      --config.data.dir=$HOME/jetspec_runs/smollm2_data/data --workdir=$HOME/jetspec_runs/jetspec
+      --workdir=runs/jetspec
   python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:dflash \
-      --config.data.dir=$HOME/jetspec_runs/smollm2_data/data --workdir=$HOME/jetspec_runs/dflash
+      --workdir=runs/dflash
   python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:dspark \
-      --config.data.dir=$HOME/jetspec_runs/smollm2_data/data --workdir=$HOME/jetspec_runs/dspark
+      --workdir=runs/dspark
   python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:jetspecpp \
-      --config.data.dir=$HOME/jetspec_runs/smollm2_data/data --workdir=$HOME/jetspec_runs/jetspecpp
+      --workdir=runs/jetspecpp
 Status: the shipped heads (assets/{jetspec,dflash}_head_smollm2_135m) were trained on the first 6
-shard pairs (`--config.data.shards_per_dir=6`: 768 sequences, 208,272 tokens) for 1000 steps, both
+shard pairs of an earlier, uncommitted run of the same generation (768 sequences, 208,272 tokens;
+features collected during generation) for 1000 steps, both
 at once on 2 cores in ~94 min each: CE 6.7 -> 4.5, tree tau (budget 32) 1.00 -> 1.40 for both on
 held-out chat prompts. Under-trained; see assets/README.md for the numbers and what helps
 (`--config.head.init_from_target_layers=True`, more data and steps).
@@ -30,6 +34,7 @@ import ml_collections
 
 from experiments.configs import draft_tiny
 from jetspec_jax import corpus
+from jetspec_jax.models import gguf_io
 
 
 def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
@@ -52,7 +57,9 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
   )
   config.data = ml_collections.ConfigDict(
     dict(
-      dir='',
+      dir='data/smollm2_135m/data',  # committed token shards (generate_data's workdir/data)
+      features_dir=str(gguf_io.cache_dir() / 'features' / 'smollm2_135m'),  # rebuilt cache
+      feature_batch=8,
       prompts='chat_mix',
       num_instructions=2400,
       instruction_tokens=96,
@@ -69,7 +76,7 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       temperature=1.0,
       top_p=1.0,
       regenerate_missing=False,
-      feature_taps=(1, 8, 15, 22, 27),  # = head.target_layer_ids; stored with the data
+      feature_taps=(1, 8, 15, 22, 27),  # = head.target_layer_ids; the features training reads
       shards_per_dir=0,  # train on the first N shards of greedy/ and sampled/ (0: all)
     )
   )

@@ -11,8 +11,10 @@ Two stages, both written as resumable shards (a killed run continues where it st
    dataset already mixes every source and both temperatures.
 
 Training reads ``data/`` as one source (``TokenShards`` reads shards in subdirectories). With
-``data.feature_taps`` set, each shard also stores the target's features of every token
-(collected during generation), so head training needs no target forward.
+``data.feature_taps`` set, head training reads the target's features of every token instead of
+running the target: collected during generation beside each shard, or, with ``data.features_dir``,
+recomputed from the token shards into that directory by a batched forward
+(:func:`jetspec_jax.training.data.compute_features`), so the token shards alone are the asset.
 """
 
 import pathlib
@@ -124,7 +126,9 @@ def generate_chat_dataset(
         eos=tokenizer.eos_ids,
         progress=False,
         shard_indices=[shard],
-        feature_taps=tuple(data_config.feature_taps),
+        # With a features directory the features are recomputed from the tokens later
+        # (data.compute_features), so generation stores tokens only.
+        feature_taps=() if data_config.get('features_dir') else tuple(data_config.feature_taps),
       )
     logging.info('shard %d of %d done', shard + 1, max(num_shards.values()))
   counts = dict(

@@ -1,10 +1,17 @@
 """Self-distilled training data (spec §C.1): the target regenerates the response to each prompt.
 
-On disk: ``shard_00000.npz`` ... each with ``tokens int32[N, L]`` (prompt + response, right-padded
-with 0), ``loss_mask uint8[N, L]`` (1 on response tokens) and ``lengths int32[N]``. Shards are
+On disk: ``shard_00000.npz`` ... each with ``tokens [N, L]`` (prompt + response, right-padded
+with 0; uint16 when the vocabulary fits, compressed: a few MB per million tokens, small enough to
+commit), ``loss_mask uint8[N, L]`` (1 on response tokens) and ``lengths int32[N]``. Shards are
 written atomically, so generation resumes by skipping finished shards. Training reads them through
 ``grain`` as one random-access source, shuffled per epoch, batched; batch ``s`` is a pure function
 of ``(seed, s)``, so the data position of a resumed run is just its step.
+
+Target features (the head's taps and the final hidden state of every token, float16) are either
+collected during generation (``feature_taps``: ``shard_*.features.npy`` beside each shard) or
+recomputed from the tokens by a batched teacher-forced forward (:func:`compute_features`) into a
+separate cache directory, at the same relative paths: the tokens are the asset, the features a
+cache that one command rebuilds.
 """
 
 import collections
@@ -15,6 +22,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import grain
+import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -24,6 +33,13 @@ from jetspec_jax.models import qwen3
 from jetspec_jax.tokenizer import Tokenizer
 
 SHARD_PATTERN = 'shard_{:05d}.npz'
+FEATURE_TAPS_FILE = 'feature_taps.json'  # in a features directory: the taps its features hold
+
+
+def shard_paths(data_dir: str | os.PathLike) -> list[pathlib.Path]:
+  """Finished shards under ``data_dir`` (subdirectories too), sorted."""
+  paths = sorted(pathlib.Path(data_dir).rglob('shard_*.npz'))
+  return [p for p in paths if not p.name.endswith('.tmp.npz')]
 
 
 def read_prompts_jsonl(
@@ -176,8 +192,70 @@ def generate_from_config(config, target: qwen3.Target, data_dir) -> list[pathlib
   )
 
 
-def features_path(shard: pathlib.Path) -> pathlib.Path:
-  return shard.with_name(shard.name.removesuffix('.npz') + '.features.npy')
+def features_path(shard: pathlib.Path, data_dir=None, features_dir=None) -> pathlib.Path:
+  """A shard's features: beside it, or at its relative path under ``features_dir``."""
+  beside = shard.with_name(shard.name.removesuffix('.npz') + '.features.npy')
+  if features_dir is None:
+    return beside
+  return pathlib.Path(features_dir) / beside.relative_to(data_dir)
+
+
+def compute_features(
+  target: qwen3.Target,
+  data_dir: str | os.PathLike,
+  features_dir: str | os.PathLike,
+  taps: tuple[int, ...],
+  *,
+  batch_size: int = 8,
+  progress: bool = True,
+) -> int:
+  """Recomputes the target features of every shard under ``data_dir`` that has none in
+  ``features_dir`` (a batched teacher-forced forward over prompt + response, the same rows that
+  generation collects: taps, then the final-normed hidden state; the last token's row is zeros,
+  as the target never reads it). Resumable: finished shards are skipped.
+
+  Returns:
+    How many shards were computed.
+  """
+  from jetspec_jax import rounds  # the device side of generation: prefill
+
+  data_dir, features_dir = pathlib.Path(data_dir), pathlib.Path(features_dir)
+  features_dir.mkdir(parents=True, exist_ok=True)
+  meta = features_dir / FEATURE_TAPS_FILE
+  if meta.exists() and tuple(json.loads(meta.read_text())) != tuple(taps):
+    raise ValueError(
+      f'{features_dir} holds features of taps {json.loads(meta.read_text())}, not {list(taps)}: '
+      'use another features directory'
+    )
+  meta.write_text(json.dumps(list(taps)))
+  forward = jax.jit(
+    lambda tokens, lengths: rounds.prefill(
+      target, tokens, lengths, tokens.shape[1], taps=tuple(taps), with_hidden=True
+    )[2]
+  )
+  todo = [p for p in shard_paths(data_dir) if not features_path(p, data_dir, features_dir).exists()]
+  for path in tqdm(todo, desc='features', unit='shard', disable=not progress):
+    shard = np.load(path)
+    tokens, lengths = shard['tokens'].astype(np.int32), shard['lengths']
+    rows = []
+    for b in range(0, len(tokens), batch_size):
+      lens = lengths[b : b + batch_size]
+      width = decoding.bucket(int(lens.max()))
+      batch = np.zeros((batch_size, width), np.int32)  # one shape per width: few compiles
+      rows_in = tokens[b : b + batch_size, :width]
+      batch[: len(lens), : rows_in.shape[1]] = rows_in
+      padded_lens = np.concatenate([lens, np.ones(batch_size - len(lens), lens.dtype)])
+      feats = np.asarray(forward(jnp.asarray(batch), jnp.asarray(padded_lens, jnp.int32)))
+      for i, n in enumerate(lens):
+        row = feats[i, :n].astype(np.float16)
+        row[n - 1] = 0
+        rows.append(row)
+    out = features_path(path, data_dir, features_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + '.tmp.npy')
+    np.save(tmp, np.concatenate(rows))
+    os.replace(tmp, out)
+  return len(todo)
 
 
 def write_shard(
@@ -191,7 +269,8 @@ def write_shard(
   exists is complete.
   """
   n = len(sequences)
-  tokens = np.zeros((n, max_len), np.int32)
+  fits_16 = all(len(s) == 0 or int(np.max(s)) < 1 << 16 for s in sequences)
+  tokens = np.zeros((n, max_len), np.uint16 if fits_16 else np.int32)
   loss_mask = np.zeros((n, max_len), np.uint8)
   lengths = np.array([len(s) for s in sequences], np.int32)
   for i, (seq, mask) in enumerate(zip(sequences, masks)):
@@ -208,15 +287,16 @@ def write_shard(
     extra['offsets'] = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     extra['feature_taps'] = np.asarray(feature_taps, np.int32)
   tmp = path.with_name(path.name + '.tmp.npz')
-  np.savez(tmp, tokens=tokens, loss_mask=loss_mask, lengths=lengths, **extra)
+  np.savez_compressed(tmp, tokens=tokens, loss_mask=loss_mask, lengths=lengths, **extra)
   os.replace(tmp, path)
 
 
 class TokenShards:
   """All shards under a directory (subdirectories included) as one random-access source.
 
-  Follows grain's data-source protocol. When every shard stores target features
-  (``shard_*.features.npy``, memory-mapped), items carry ``features [max_len, F]`` (float32,
+  Follows grain's data-source protocol. When every shard has target features
+  (``shard_*.features.npy``, memory-mapped; beside the shards, or in ``features_dir`` as
+  :func:`compute_features` writes them), items carry ``features [max_len, F]`` (float32,
   zero-padded) and ``feature_taps`` names the tapped layers they were collected with.
   """
 
@@ -226,12 +306,12 @@ class TokenShards:
     max_len: int | None = None,
     shards_per_dir: int | None = None,
     skip_per_dir: int = 0,
+    features_dir: str | os.PathLike | None = None,
   ):
     """``shards_per_dir`` keeps only the first that many shards of each directory (a fixed
     prefix of data that is still being generated) after skipping its first ``skip_per_dir``
     (held-out data: e.g. ``skip_per_dir=6, shards_per_dir=1`` is each directory's 7th shard)."""
-    paths = sorted(pathlib.Path(data_dir).rglob('shard_*.npz'))  # subdirectories too
-    paths = [p for p in paths if not p.name.endswith('.tmp.npz')]
+    paths = shard_paths(data_dir)
     if shards_per_dir is not None or skip_per_dir:
       seen = collections.Counter()  # paths are sorted: each directory's shards in order
       kept = []
@@ -248,13 +328,18 @@ class TokenShards:
     self.width = width
     self.feature_taps: tuple[int, ...] | None = None
     self._features = None
-    if all('offsets' in d and features_path(p).exists() for p, d in zip(paths, loaded)):
-      taps = {tuple(int(i) for i in d['feature_taps']) for d in loaded}
+    feature_files = [features_path(p, data_dir, features_dir) for p in paths]
+    if features_dir is not None and all(f.exists() for f in feature_files):
+      taps = {tuple(json.loads((pathlib.Path(features_dir) / FEATURE_TAPS_FILE).read_text()))}
+    else:
+      taps = {tuple(int(i) for i in d['feature_taps']) for d in loaded if 'feature_taps' in d}
+    if taps and all(f.exists() for f in feature_files):
       if len(taps) != 1:
         raise ValueError(f'shards under {data_dir} were collected with different taps: {taps}')
       self.feature_taps = taps.pop()
+      starts = [np.concatenate([[0], np.cumsum(d['lengths'])[:-1]]) for d in loaded]
       self._features = [
-        (np.load(features_path(p), mmap_mode='r'), d['offsets']) for p, d in zip(paths, loaded)
+        (np.load(f, mmap_mode='r'), start) for f, start in zip(feature_files, starts)
       ]
       self._where = [(s, j) for s, d in enumerate(loaded) for j in range(len(d['lengths']))]
 
@@ -262,7 +347,7 @@ class TokenShards:
       x = x[:, :width]
       return np.pad(x, ((0, 0), (0, width - x.shape[1])))
 
-    self.tokens = np.concatenate([fit(d['tokens']) for d in loaded])
+    self.tokens = np.concatenate([fit(d['tokens']).astype(np.int32) for d in loaded])
     self.loss_mask = np.concatenate([fit(d['loss_mask']) for d in loaded])
     self.lengths = np.minimum(np.concatenate([d['lengths'] for d in loaded]), width)
 

@@ -406,8 +406,20 @@ def train_and_evaluate(config, workdir: str) -> dict:
     prompts = data_lib.prompts_from_config(config.data, target.cfg.vocab_size)
     if not list(data_dir.glob('shard_*.npz')) or config.data.regenerate_missing:
       data_lib.generate_from_config(config, target, data_dir)
+  features_dir = config.data.get('features_dir') or None
+  if features_dir and config.data.get('feature_taps'):  # a cache: rebuilt from the tokens
+    data_lib.compute_features(
+      target,
+      data_dir,
+      features_dir,
+      tuple(config.data.feature_taps),
+      batch_size=config.data.get('feature_batch', 8),
+    )
   source = data_lib.TokenShards(
-    data_dir, max_len=config.data.max_len, shards_per_dir=config.data.get('shards_per_dir') or None
+    data_dir,
+    max_len=config.data.max_len,
+    shards_per_dir=config.data.get('shards_per_dir') or None,
+    features_dir=features_dir,
   )
   if source.feature_taps is not None and source.feature_taps != tuple(head_cfg.target_layer_ids):
     raise ValueError(
