@@ -373,13 +373,7 @@ def draft_tree(
     return tree, None
   if state.history is None:
     raise ValueError('copy candidates need RoundState.history (start_rounds(keep_history=True))')
-  pad = settings.copy_len
-  tree = tree.replace(
-    tokens=jnp.pad(tree.tokens, ((0, 0), (0, pad))),
-    parents=jnp.pad(tree.parents, ((0, 0), (0, pad)), constant_values=-1),
-    depths=jnp.pad(tree.depths, ((0, 0), (0, pad))),
-    scores=jnp.pad(tree.scores, ((0, 0), (0, pad)), constant_values=-jnp.inf),
-  )
+  tree = tree_lib.pad(tree, settings.copy_len)
   lookup = functools.partial(
     prompt_lookup.continuation, max_ngram=settings.copy_ngram, length=settings.copy_len
   )

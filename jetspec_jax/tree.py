@@ -215,6 +215,17 @@ def top2gap(
   return build_with_caps(topk_ids, topk_logprobs, budget, caps, anchor=anchor)
 
 
+def pad(tree: Tree, extra: int) -> Tree:
+  """``tree`` with ``extra`` more padding slots (room to add nodes; leading axes kept)."""
+  widths = [(0, 0)] * (tree.tokens.ndim - 1) + [(0, extra)]
+  return tree.replace(
+    tokens=jnp.pad(tree.tokens, widths),
+    parents=jnp.pad(tree.parents, widths, constant_values=-1),
+    depths=jnp.pad(tree.depths, widths),
+    scores=jnp.pad(tree.scores, widths, constant_values=-jnp.inf),
+  )
+
+
 def add_branch(
   tree: Tree, tokens: Int[Array, ' L'], count: Int[Array, '']
 ) -> tuple[Tree, Bool[Array, ' M']]:

@@ -1,4 +1,6 @@
-"""Shared test set-up: CPU only, float32 matmuls at full precision."""
+"""Shared test set-up: CPU only, float32 matmuls at full precision; the lossless tests' tiny
+target, prompts and AR outputs (a module that defines its own fixture of the same name uses
+that one)."""
 
 import os
 
@@ -7,3 +9,26 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 import jax  # noqa: E402
 
 jax.config.update('jax_default_matmul_precision', 'highest')
+
+import pytest  # noqa: E402
+
+import jetspec_jax as js  # noqa: E402
+
+VOCAB = 17  # small, so random heads' drafts are often accepted and commits are exercised
+
+
+@pytest.fixture(scope='module')
+def target():
+  return js.testing.tiny_target(0, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope='module')
+def prompts():
+  """Three prompts of different lengths (1, 6, 23 tokens)."""
+  return [js.testing.random_ids(10 + n, (n,), VOCAB) for n in (1, 6, 23)]
+
+
+@pytest.fixture(scope='module')
+def ar_outputs(target, prompts):
+  """Greedy AR outputs of ``prompts``, 30 tokens: what every lossless method must reproduce."""
+  return [js.generate(target, None, p, max_new_tokens=30, method='ar').tokens for p in prompts]

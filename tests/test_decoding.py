@@ -9,13 +9,7 @@ import pytest
 
 import jetspec_jax as js
 from jetspec_jax import decoding, rounds, verify
-
-VOCAB = 17  # small, so random heads' drafts are often accepted and commits are exercised
-
-
-@pytest.fixture(scope='module')
-def target():
-  return js.testing.tiny_target(0, vocab_size=VOCAB)
+from tests.conftest import VOCAB
 
 
 @pytest.fixture(scope='module')
@@ -24,16 +18,6 @@ def heads(target):
     'causal': js.testing.random_draft_head(target, block_size=6, seed=1),
     'bidirectional': js.testing.random_draft_head(target, block_size=6, causal=False, seed=2),
   }
-
-
-@pytest.fixture(scope='module')
-def prompts():
-  return [js.testing.random_ids(10 + n, (n,), VOCAB) for n in (1, 6, 23)]
-
-
-@pytest.fixture(scope='module')
-def ar_outputs(target, prompts):
-  return [js.generate(target, None, p, max_new_tokens=30, method='ar').tokens for p in prompts]
 
 
 CASES = [

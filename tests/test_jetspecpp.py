@@ -18,24 +18,8 @@ from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import blocks as blocks_lib
 from jetspec_jax.training import data as data_lib
 from jetspec_jax.training import head_trainer as train_lib
+from tests.conftest import VOCAB
 from tests.test_decoding import assert_chi_square, exact_distribution
-
-VOCAB = 17
-
-
-@pytest.fixture(scope='module')
-def target():
-  return js.testing.tiny_target(0, vocab_size=VOCAB)
-
-
-@pytest.fixture(scope='module')
-def prompts():
-  return [js.testing.random_ids(10 + n, (n,), VOCAB) for n in (1, 6, 23)]
-
-
-@pytest.fixture(scope='module')
-def ar_outputs(target, prompts):
-  return [js.generate(target, None, p, max_new_tokens=30, method='ar').tokens for p in prompts]
 
 
 @pytest.fixture(scope='module')

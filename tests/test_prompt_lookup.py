@@ -12,9 +12,8 @@ import pytest
 import jetspec_jax as js
 from jetspec_jax import decoding, prompt_lookup, rounds
 from jetspec_jax import tree as tree_lib
+from tests.conftest import VOCAB
 from tests.test_decoding import assert_chi_square, exact_distribution
-
-VOCAB = 17
 
 
 def continuation_reference(history, last, max_ngram, length):
@@ -55,29 +54,20 @@ def test_docstring_example():
   np.testing.assert_array_equal(tokens[:4], [9, 1, 2, 3])
 
 
-def padded(tree, extra):
-  return tree.replace(
-    tokens=jnp.pad(tree.tokens, (0, extra)),
-    parents=jnp.pad(tree.parents, (0, extra), constant_values=-1),
-    depths=jnp.pad(tree.depths, (0, extra)),
-    scores=jnp.pad(tree.scores, (0, extra), constant_values=-jnp.inf),
-  )
-
-
 def test_add_branch_follows_then_appends():
   """Tree r -> {a, b}, a -> {c, d}; the chain ``a e f`` follows ``a`` and appends ``e f``."""
   ids = jnp.array([[5, 6], [7, 8]])
   tree = tree_lib.accum_logp(ids, jnp.log(jnp.array([[0.6, 0.3], [0.5, 0.4]])), 5, anchor=1)
-  joined, added = tree_lib.add_branch(padded(tree, 3), jnp.array([5, 9, 4]), jnp.int32(3))
+  joined, added = tree_lib.add_branch(tree_lib.pad(tree, 3), jnp.array([5, 9, 4]), jnp.int32(3))
   assert int(joined.num_nodes) == 7
   np.testing.assert_array_equal(joined.tokens[:7], [1, 5, 6, 7, 8, 9, 4])
   np.testing.assert_array_equal(joined.parents[:7], [-1, 0, 0, 1, 1, 1, 5])
   np.testing.assert_array_equal(joined.depths[:7], [0, 1, 1, 2, 2, 2, 3])
   np.testing.assert_array_equal(added, [0, 0, 0, 0, 0, 1, 1, 0])
   # A chain the tree already holds adds nothing; a short count stops it; no room cuts it.
-  same, added = tree_lib.add_branch(padded(tree, 3), jnp.array([5, 7, 4]), jnp.int32(2))
+  same, added = tree_lib.add_branch(tree_lib.pad(tree, 3), jnp.array([5, 7, 4]), jnp.int32(2))
   assert int(same.num_nodes) == 5 and not added.any()
-  cut, added = tree_lib.add_branch(padded(tree, 1), jnp.array([6, 2, 3]), jnp.int32(3))
+  cut, added = tree_lib.add_branch(tree_lib.pad(tree, 1), jnp.array([6, 2, 3]), jnp.int32(3))
   assert int(cut.num_nodes) == 6 and int(added.sum()) == 1 and int(cut.parents[5]) == 2
 
 
@@ -88,7 +78,7 @@ def test_add_branch_keeps_a_valid_tree(seed):
   rng = np.random.default_rng(seed)
   logits = jnp.asarray(rng.normal(size=(4, VOCAB)), jnp.float32)
   ids, logprobs = tree_lib.topk_per_depth(logits, 3)
-  tree = padded(tree_lib.accum_logp(ids, logprobs, 9, anchor=0), 4)
+  tree = tree_lib.pad(tree_lib.accum_logp(ids, logprobs, 9, anchor=0), 4)
   chain = jnp.concatenate([ids[0, :1], jnp.asarray(rng.integers(0, VOCAB, size=3), jnp.int32)])
   joined, _ = tree_lib.add_branch(tree, chain, jnp.int32(4))
   n = int(joined.num_nodes)
@@ -107,27 +97,12 @@ def test_add_branch_keeps_a_valid_tree(seed):
 
 
 @pytest.fixture(scope='module')
-def target():
-  return js.testing.tiny_target(0, vocab_size=VOCAB)
-
-
-@pytest.fixture(scope='module')
 def heads(target):
   return {
     'causal': js.testing.random_draft_head(target, block_size=6, seed=1),
     'bidirectional': js.testing.random_draft_head(target, block_size=6, causal=False, seed=2),
     'jetspecpp': js.testing.random_draft_head(target, block_size=6, seed=3, refine=True),
   }
-
-
-@pytest.fixture(scope='module')
-def prompts():
-  return [js.testing.random_ids(10 + n, (n,), VOCAB) for n in (1, 6, 23)]
-
-
-@pytest.fixture(scope='module')
-def ar_outputs(target, prompts):
-  return [js.generate(target, None, p, max_new_tokens=30, method='ar').tokens for p in prompts]
 
 
 @pytest.mark.parametrize(
