@@ -429,8 +429,6 @@ def make_round(
     return dspark_lib.DSparkRound(verify_length, float(threshold)), head.cfg.max_depth + 1
   if not 0 <= copy_len <= head.cfg.max_depth:
     raise ValueError(f'{copy_len=} must be in [0, the head depth {head.cfg.max_depth}]')
-  if copy_ngram < 1:
-    raise ValueError(f'{copy_ngram=} must be >= 1')
   copy = dict(copy_len=int(copy_len), copy_ngram=int(copy_ngram))
   if method == 'chain':
     settings = TreeSettings(budget=bs + copy_len, width=1, **copy)
@@ -443,8 +441,6 @@ def make_round(
     raise ValueError(
       f'tree_algorithm must be one of {sorted(tree_lib.TREE_BUILDERS)}, got {tree_algorithm!r}'
     )
-  if budget - copy_len < 1:
-    raise ValueError(f'{budget=} leaves no node for the head after {copy_len=} (the root counts)')
   settings = TreeSettings(budget=int(budget), width=int(width), algorithm=tree_algorithm, **copy)
   if method == 'jetspecpp':
     return jetspecpp_lib.JetSpecPPRound(
