@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jetspec_jax import corpus, decoding
+from jetspec_jax import corpus, decoding, rounds
 from jetspec_jax import prompts as prompts_lib
 from jetspec_jax.models import qwen3
 from jetspec_jax.tokenizer import Tokenizer
@@ -217,8 +217,6 @@ def compute_features(
   Returns:
     How many shards were computed.
   """
-  from jetspec_jax import rounds  # the device side of generation: prefill
-
   data_dir, features_dir = pathlib.Path(data_dir), pathlib.Path(features_dir)
   features_dir.mkdir(parents=True, exist_ok=True)
   meta = features_dir / FEATURE_TAPS_FILE
