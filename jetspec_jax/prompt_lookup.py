@@ -55,7 +55,7 @@ def continuation(
   score = jnp.where((j < last) & (ngram > 0), (ngram * (length + 1) + room) * s + j, -1)
   best = jnp.argmax(score)
   found = score[best] >= 0
-  count = jnp.where(found, jnp.minimum(length, last - best), 0).astype(jnp.int32)
+  count = jnp.where(found, room[best], 0).astype(jnp.int32)
   tokens = history[jnp.minimum(best + 1 + jnp.arange(length), s - 1)]
   return tokens.astype(jnp.int32), count, jnp.where(found, ngram[best], 0)
 

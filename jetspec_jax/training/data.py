@@ -250,10 +250,15 @@ def compute_features(
         rows.append(row)
     out = features_path(path, data_dir, features_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + '.tmp.npy')
-    np.save(tmp, np.concatenate(rows))
-    os.replace(tmp, out)
+    _save_features(out, rows)
   return len(todo)
+
+
+def _save_features(path: pathlib.Path, rows) -> None:
+  """One float16 ``[sum of lengths, F]`` array, written atomically (temp file + rename)."""
+  tmp = path.with_name(path.name + '.tmp.npy')
+  np.save(tmp, np.concatenate(rows).astype(np.float16))
+  os.replace(tmp, path)
 
 
 def write_shard(
@@ -263,8 +268,8 @@ def write_shard(
 
   ``features`` (one ``[len(seq), F]`` array per sequence) go first, to
   ``shard_*.features.npy`` as one float16 ``[sum of lengths, F]`` array (memory-mappable;
-  sequence ``i`` owns rows ``offsets[i]:offsets[i] + lengths[i]``), so a shard whose ``.npz``
-  exists is complete.
+  sequence ``i`` owns the ``lengths[i]`` rows after those of the sequences before it), so a
+  shard whose ``.npz`` exists is complete.
   """
   n = len(sequences)
   fits_16 = all(len(s) == 0 or int(np.max(s)) < 1 << 16 for s in sequences)
@@ -279,10 +284,7 @@ def write_shard(
     for seq, feats in zip(sequences, features):
       if len(feats) != len(seq):
         raise ValueError(f'{len(feats)} feature rows for a sequence of {len(seq)} tokens')
-    ftmp = path.with_name(path.name + '.tmp.features.npy')
-    np.save(ftmp, np.concatenate(features).astype(np.float16))
-    os.replace(ftmp, features_path(path))
-    extra['offsets'] = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    _save_features(features_path(path), features)
     extra['feature_taps'] = np.asarray(feature_taps, np.int32)
   tmp = path.with_name(path.name + '.tmp.npz')
   np.savez_compressed(tmp, tokens=tokens, loss_mask=loss_mask, lengths=lengths, **extra)
