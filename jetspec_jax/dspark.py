@@ -52,10 +52,14 @@ VERIFY_LENGTHS = ('threshold', 'scheduler')
 # The sequential stage and the confidence head.
 
 
-def markov_bias(params: dict, prev: Int[Array, '...']) -> Float[Array, '... V']:
-  """``W1[prev] W2``: the low-rank bias on the next token's logits given the previous token."""
+def markov_bias(params: dict, prev: Int[Array, '...'], vocab=None) -> Float[Array, '... V']:
+  """``W1[prev] W2``: the low-rank bias on the next token's logits given the previous token
+  (over the ids ``vocab`` only, when given: a reduced draft vocabulary in training)."""
   embed = params['markov']['embed'][prev].astype(jnp.float32)
-  return embed @ params['markov']['proj'].astype(jnp.float32)
+  proj = params['markov']['proj']
+  if vocab is not None:
+    proj = proj[:, vocab]
+  return embed @ proj.astype(jnp.float32)
 
 
 def confidence_logits(
@@ -94,7 +98,7 @@ def draft_chain(
 ) -> Draft:
   """The sequential stage over the backbone's outputs ``hidden [B, gamma, D]``, left to right."""
   params = head.params
-  base = target.lm_logits(hidden.astype(target.dtype)).astype(jnp.float32)  # U: [B, gamma, V]
+  base = head.vocab_logits(target, hidden)  # U: [B, gamma, V]
 
   def step(carry, xs):
     prev, key = carry

@@ -31,9 +31,10 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jetspec_jax import kv_cache as kv_lib
-from jetspec_jax.models import qwen3
+from jetspec_jax.models import matmul, qwen3
 from jetspec_jax.typing import Array, Bool, Float, Int
 
 
@@ -186,11 +187,16 @@ class DraftLayer(nn.Module):
   cfg: DraftHeadConfig
   dtype: Any = jnp.float32
   live_context: bool = False  # read only the live context tiles (inference)
+  compute_dtype: Any = None  # bfloat16: mixed-precision projections (models/matmul.py)
 
   def setup(self):
     cfg = self.cfg
     dense = functools.partial(
-      nn.DenseGeneral, use_bias=False, dtype=self.dtype, param_dtype=self.dtype
+      nn.DenseGeneral,
+      use_bias=False,
+      dtype=self.dtype,
+      param_dtype=self.dtype,
+      **matmul.dense_options(self.compute_dtype),
     )
     self.q_proj = dense((cfg.num_attention_heads, cfg.head_dim))
     self.k_proj = dense((cfg.num_key_value_heads, cfg.head_dim))
@@ -200,7 +206,7 @@ class DraftLayer(nn.Module):
     self.k_norm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
     self.input_layernorm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
     self.post_attention_layernorm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
-    self.mlp = qwen3.MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype)
+    self.mlp = qwen3.MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, self.compute_dtype)
 
   def keys_values(self, h, positions):
     k = qwen3.rope(self.k_norm(self.k_proj(h)), positions, self.cfg.rope_theta)
@@ -296,13 +302,21 @@ class DraftHeadModule(nn.Module):
   cfg: DraftHeadConfig
   dtype: Any = jnp.float32
   live_context: bool = False
+  compute_dtype: Any = None  # bfloat16: mixed-precision projections (models/matmul.py)
 
   def setup(self):
     cfg = self.cfg
-    self.fc = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+    self.fc = nn.Dense(
+      cfg.hidden_size,
+      use_bias=False,
+      dtype=self.dtype,
+      param_dtype=self.dtype,
+      **matmul.dense_options(self.compute_dtype),
+    )
     self.hidden_norm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
     self.layers = [
-      DraftLayer(cfg, self.dtype, self.live_context) for _ in range(cfg.num_hidden_layers)
+      DraftLayer(cfg, self.dtype, self.live_context, self.compute_dtype)
+      for _ in range(cfg.num_hidden_layers)
     ]
     self.norm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
 
@@ -418,6 +432,49 @@ def init_from_target_layers(
   return out
 
 
+# The vocabulary projection.
+
+
+def vocab_logits(
+  target: qwen3.Target,
+  hidden: Float[Array, '... D'],
+  draft_vocab: Int[Array, ' K'] | None = None,
+  compute_dtype=None,
+) -> Float[Array, '... K']:
+  """float32 scores of ``hidden`` over the target's LM head, restricted to ``draft_vocab``
+  (sorted token ids; the EAGLE-3 / FR-Spec reduced draft vocabulary) when given, with
+  mixed-precision inputs when ``compute_dtype`` is set (:mod:`~jetspec_jax.models.matmul`)."""
+  table = target.output_embedding()
+  if draft_vocab is not None:
+    table = table[draft_vocab]
+  if matmul.resolve(compute_dtype) is not None:
+    return matmul.matmul(hidden, table.T, 1, matmul.resolve(compute_dtype))
+  return jnp.einsum('...d,vd->...v', hidden.astype(table.dtype), table).astype(jnp.float32)
+
+
+def scatter_to_vocab(logits: Float[Array, '... K'], draft_vocab, vocab_size: int) -> Array:
+  """Reduced-vocabulary scores placed at their token ids of a ``vocab_size`` row; every other
+  id gets ``MASK_VALUE`` (probability 0: never drafted, so verification is unchanged)."""
+  full = jnp.full(logits.shape[:-1] + (vocab_size,), qwen3.MASK_VALUE, logits.dtype)
+  return full.at[..., draft_vocab].set(logits)
+
+
+def draft_vocabulary(token_counts, coverage: float = 0.99, multiple: int = 128) -> np.ndarray:
+  """The most frequent token ids whose counts cover ``coverage`` of all tokens, sorted, their
+  number rounded up to a ``multiple`` (matmul-friendly). ``token_counts [V]``: how often each id
+  occurs in the target's own generated responses."""
+  counts = np.asarray(token_counts, np.float64)
+  if not 0.0 < coverage <= 1.0:
+    raise ValueError(f'coverage must be in (0, 1], got {coverage}')
+  if counts.sum() <= 0:
+    raise ValueError('token_counts is empty: no tokens to choose a draft vocabulary from')
+  order = np.argsort(-counts, kind='stable')
+  covered = np.cumsum(counts[order]) / counts.sum()
+  k = int(np.searchsorted(covered, coverage - 1e-12) + 1)
+  k = min(len(counts), -(-k // multiple) * multiple)
+  return np.sort(order[:k]).astype(np.int32)
+
+
 # Masks.
 
 
@@ -466,10 +523,22 @@ class DraftHead:
   # DSpark only: per-position temperatures of the confidence logits (``[bs]``, fitted by
   # sequential temperature scaling after training; None = uncalibrated, i.e. all ones).
   calibration: Array | None = None
+  # A reduced draft vocabulary (sorted token ids ``[K]``, :func:`draft_vocabulary`): the head
+  # scores only these ids; every other id has draft probability 0. None: the whole vocabulary.
+  draft_vocab: Array | None = None
 
   @property
   def dtype(self):
     return self.params['fc']['kernel'].dtype
+
+  def vocab_logits(self, target: qwen3.Target, hidden: Float[Array, '... D']) -> Array:
+    """float32 draft scores ``[..., V]`` of head outputs over the target's LM head (ids outside
+    :attr:`draft_vocab` get ``MASK_VALUE``)."""
+    hidden = hidden.astype(target.dtype)
+    if self.draft_vocab is None:
+      return target.lm_logits(hidden).astype(jnp.float32)
+    reduced = vocab_logits(target, hidden, self.draft_vocab)
+    return scatter_to_vocab(reduced, self.draft_vocab, target.cfg.vocab_size)
 
   def make_cache(self, batch_size: int, capacity: int) -> kv_lib.KVCache:
     """An empty context K/V cache (one K/V per head layer)."""
@@ -553,7 +622,7 @@ class DraftHead:
     hidden = self.block_hidden(target, cache, anchor, guesses)
     if not self.cfg.markov_rank:
       hidden = hidden[:, 1:]
-    return target.lm_logits(hidden.astype(target.dtype)).astype(jnp.float32)
+    return self.vocab_logits(target, hidden)
 
   def propose(
     self, target: qwen3.Target, context_features: Float[Array, 'C F'], anchor: int | Array

@@ -294,6 +294,34 @@ def _row_in(x):
 
 
 CALIBRATION_TENSOR = 'confidence_head.temperature'  # DSpark: per-position STS temperatures
+# A reduced draft vocabulary in EAGLE-3's layout: ``d2t[i] = token_id - i`` for draft index i
+# (int64 [K]) and ``t2d[token_id]`` true where the id is in the draft vocabulary (bool [V]).
+DRAFT_VOCAB_TENSORS = ('d2t', 't2d')
+
+
+def draft_vocab_tensors(draft_vocab, vocab_size: int) -> dict[str, np.ndarray]:
+  """``d2t`` / ``t2d`` of sorted draft token ids (EAGLE-3's offsets)."""
+  ids = np.asarray(draft_vocab, np.int64)
+  t2d = np.zeros((vocab_size,), bool)
+  t2d[ids] = True
+  return dict(d2t=ids - np.arange(len(ids)), t2d=t2d)
+
+
+def draft_vocab_from_tensors(tensors, vocab_size: int, where) -> np.ndarray | None:
+  """The sorted draft token ids stored as ``d2t`` / ``t2d``, checked; None if absent."""
+  if 'd2t' not in tensors:
+    return None
+  d2t = np.asarray(tensors['d2t'], np.int64)
+  ids = d2t + np.arange(len(d2t))
+  if d2t.ndim != 1 or len(ids) == 0 or ids.min() < 0 or ids.max() >= vocab_size:
+    raise CheckpointError(f'{where}: d2t maps outside the vocabulary [0, {vocab_size})')
+  if np.any(np.diff(ids) <= 0):
+    raise CheckpointError(f'{where}: d2t must list increasing token ids')
+  if 't2d' in tensors:
+    t2d = np.asarray(tensors['t2d']).astype(bool)
+    if t2d.shape != (vocab_size,) or not np.array_equal(np.flatnonzero(t2d), ids):
+      raise CheckpointError(f'{where}: t2d does not match d2t')
+  return ids.astype(np.int32)
 
 
 def _expert_leaves(cfg: qwen3.Qwen3Config, tensors: dict[str, np.ndarray], used: set[str]):
@@ -559,9 +587,21 @@ def load_draft_head(
       _checked(_ident, tensors[CALIBRATION_TENSOR], CALIBRATION_TENSOR, (cfg.block_size,)),
       jnp.float32,
     )
-  params = _map_from_hf(tensors, _head_rules(cfg), expected, set(), ignorable=[CALIBRATION_TENSOR])
+  draft_vocab = draft_vocab_from_tensors(tensors, cfg.vocab_size, path)
+  params = _map_from_hf(
+    tensors,
+    _head_rules(cfg),
+    expected,
+    set(),
+    ignorable=[CALIBRATION_TENSOR, *DRAFT_VOCAB_TENSORS],
+  )
   params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-  return draft_head.DraftHead(cfg=cfg, params=params, calibration=calibration)
+  return draft_head.DraftHead(
+    cfg=cfg,
+    params=params,
+    calibration=calibration,
+    draft_vocab=None if draft_vocab is None else jnp.asarray(draft_vocab),
+  )
 
 
 def save_draft_head(head: draft_head.DraftHead, path: str | os.PathLike, dtype=None) -> None:
@@ -577,5 +617,7 @@ def save_draft_head(head: draft_head.DraftHead, path: str | os.PathLike, dtype=N
   }
   if head.calibration is not None:
     tensors[CALIBRATION_TENSOR] = np.asarray(head.calibration, np.float32)
+  if head.draft_vocab is not None:
+    tensors.update(draft_vocab_tensors(jax.device_get(head.draft_vocab), head.cfg.vocab_size))
   write_tensors(tensors, path)
   (path / 'config.json').write_text(json.dumps(head_config_to_hf(head.cfg, head.dtype), indent=2))

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import kv_cache as kv_lib
+from jetspec_jax.models import matmul
 from jetspec_jax.typing import Array, Bool, Float, Int
 from pallas_kernels import dispatch as kernel_dispatch
 from pallas_kernels import tree_attention as tree_attention_kernel
@@ -445,12 +446,17 @@ class Attention(nn.Module):
   cfg: Qwen3Config
   dtype: Any = jnp.float32
   attn_impl: str = 'xla'
+  compute_dtype: Any = None  # bfloat16: mixed-precision projections (models/matmul.py)
 
   @nn.compact
   def __call__(self, x, positions, slots, mask, cache_k, cache_v):
     cfg = self.cfg
     dense = functools.partial(
-      nn.DenseGeneral, use_bias=False, dtype=self.dtype, param_dtype=self.dtype
+      nn.DenseGeneral,
+      use_bias=False,
+      dtype=self.dtype,
+      param_dtype=self.dtype,
+      **matmul.dense_options(self.compute_dtype),
     )
     qkv = functools.partial(dense, use_bias=cfg.attention_bias)
     q = qkv((cfg.num_attention_heads, cfg.head_dim), name='q_proj')(x)
@@ -481,10 +487,17 @@ class MLP(nn.Module):
   hidden_size: int
   intermediate_size: int
   dtype: Any = jnp.float32
+  compute_dtype: Any = None  # bfloat16: mixed-precision projections (models/matmul.py)
 
   @nn.compact
   def __call__(self, x):
-    dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+    dense = functools.partial(
+      nn.Dense,
+      use_bias=False,
+      dtype=self.dtype,
+      param_dtype=self.dtype,
+      **matmul.dense_options(self.compute_dtype),
+    )
     gate = dense(self.intermediate_size, name='gate_proj')(x)
     up = dense(self.intermediate_size, name='up_proj')(x)
     return dense(self.hidden_size, name='down_proj')(nn.silu(gate) * up)
@@ -549,11 +562,13 @@ class DecoderLayer(nn.Module):
   layer_idx: int
   dtype: Any = jnp.float32
   attn_impl: str = 'xla'
+  compute_dtype: Any = None
 
   @nn.compact
   def __call__(self, x, positions, slots, mask, cache_k, cache_v):
     cfg = self.cfg
-    h, cache_k, cache_v = Attention(cfg, self.dtype, self.attn_impl, name='self_attn')(
+    attention = Attention(cfg, self.dtype, self.attn_impl, self.compute_dtype, name='self_attn')
+    h, cache_k, cache_v = attention(
       RMSNorm(cfg.rms_norm_eps, self.dtype, name='input_layernorm')(x),
       positions,
       slots,
@@ -566,7 +581,8 @@ class DecoderLayer(nn.Module):
     if cfg.is_sparse_layer(self.layer_idx):
       x = x + SparseMoE(cfg, self.dtype, name='mlp')(normed)
     else:
-      x = x + MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, name='mlp')(normed)
+      mlp = MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, self.compute_dtype, name='mlp')
+      x = x + mlp(normed)
     return x, cache_k, cache_v
 
 
@@ -576,6 +592,7 @@ class Qwen3(nn.Module):
   cfg: Qwen3Config
   dtype: Any = jnp.float32
   attn_impl: str = 'xla'
+  compute_dtype: Any = None  # bfloat16: mixed-precision projections (models/matmul.py)
 
   def setup(self):
     cfg = self.cfg
@@ -587,12 +604,17 @@ class Qwen3(nn.Module):
       embedding_init=nn.initializers.normal(0.02),
     )
     self.layers = [
-      DecoderLayer(cfg, i, self.dtype, self.attn_impl) for i in range(cfg.num_hidden_layers)
+      DecoderLayer(cfg, i, self.dtype, self.attn_impl, self.compute_dtype)
+      for i in range(cfg.num_hidden_layers)
     ]
     self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = nn.Dense(
-        cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype
+        cfg.vocab_size,
+        use_bias=False,
+        dtype=self.dtype,
+        param_dtype=self.dtype,
+        **matmul.dense_options(self.compute_dtype),
       )
 
   def __call__(self, tokens, positions, slots, mask, cache_k, cache_v, taps=()):
@@ -612,6 +634,9 @@ class Qwen3(nn.Module):
 
   def lm_logits(self, hidden):
     if self.cfg.tie_word_embeddings:
+      if self.compute_dtype is not None:
+        table = self.embed_tokens.embedding
+        return matmul.matmul(hidden, table.T, 1, self.compute_dtype)
       return self.embed_tokens.attend(hidden)
     return self.lm_head(hidden)
 
@@ -673,6 +698,7 @@ def forward(
   mask: 'Bool[Array, "B T S"] | TailMask | None' = None,
   taps: tuple[int, ...] = (),
   attn_impl: str = 'xla',
+  compute_dtype=None,
 ) -> ForwardOutput:
   """One target forward in prefill, decode or masked mode (see module docstring).
 
@@ -692,6 +718,8 @@ def forward(
     attn_impl: ``'xla'`` (dense-mask reference), ``'pallas'`` (the platform's tree-attention
       kernel: Triton on CUDA, Mosaic on TPU, interpreted on CPU) or ``'pallas_mosaic'`` (the
       Mosaic kernel; TPU interpret mode on CPU).
+    compute_dtype: ``'bfloat16'``: the projections take bfloat16 inputs and accumulate in
+      float32 (:mod:`~jetspec_jax.models.matmul`); None: in the parameters' dtype.
 
   Returns:
     A :class:`ForwardOutput`. ``cache.lengths`` becomes ``max(lengths, max(slots) + 1)`` over the
@@ -718,7 +746,7 @@ def forward(
     if mask.shape != (b, t, cache.capacity):
       raise ValueError(f'mask must have shape [B, T, S]={(b, t, cache.capacity)}, got {mask.shape}')
     mask = DenseMask(mask)
-  model = Qwen3(cfg, cache.dtype, attn_impl)
+  model = Qwen3(cfg, cache.dtype, attn_impl, matmul.resolve(compute_dtype))
   hidden, new_k, new_v, features = model.apply(
     {'params': params}, tokens, positions, slots, mask, cache.k, cache.v, taps
   )
@@ -727,9 +755,12 @@ def forward(
   return ForwardOutput(hidden, kv_lib.KVCache(new_k, new_v, lengths), features)
 
 
-def lm_logits(params: dict, hidden: Float[Array, '... D'], *, cfg: Qwen3Config) -> Array:
+def lm_logits(
+  params: dict, hidden: Float[Array, '... D'], *, cfg: Qwen3Config, compute_dtype=None
+) -> Array:
   """Applies the LM head (or the tied embedding) to final-normed hidden states."""
-  return Qwen3(cfg, hidden.dtype).apply({'params': params}, hidden, method=Qwen3.lm_logits)
+  model = Qwen3(cfg, hidden.dtype, compute_dtype=matmul.resolve(compute_dtype))
+  return model.apply({'params': params}, hidden, method=Qwen3.lm_logits)
 
 
 def embed(params: dict, tokens: Int[Array, '...'], *, cfg: Qwen3Config) -> Array:
@@ -781,6 +812,9 @@ class Target:
   cfg: Qwen3Config = flax.struct.field(pytree_node=False)
   params: dict
   attn_impl: str = flax.struct.field(pytree_node=False, default='xla')
+  # 'bfloat16': matmuls with bfloat16 inputs and float32 accumulation (models/matmul.py) over
+  # float32 (or bfloat16) weights; None: plain matmuls in the parameters' dtype.
+  compute_dtype: str | None = flax.struct.field(pytree_node=False, default=None)
 
   @property
   def dtype(self):
@@ -794,15 +828,34 @@ class Target:
   def make_cache(self, batch_size: int, capacity: int) -> kv_lib.KVCache:
     return make_cache(self.cfg, batch_size, capacity, self.dtype)
 
+  def with_compute_dtype(self, compute_dtype: str | None) -> 'Target':
+    """The same target with mixed-precision matmuls (``'bfloat16'``) or plain ones (None)."""
+    matmul.resolve(compute_dtype)  # a bad name fails here
+    return self.replace(compute_dtype=compute_dtype)
+
   def forward(self, tokens, cache, **kwargs) -> ForwardOutput:
-    return forward(self.params, tokens, cache, cfg=self.cfg, attn_impl=self.attn_impl, **kwargs)
+    return forward(
+      self.params,
+      tokens,
+      cache,
+      cfg=self.cfg,
+      attn_impl=self.attn_impl,
+      compute_dtype=self.compute_dtype,
+      **kwargs,
+    )
 
   def lm_logits(self, hidden):
     """Vocabulary scores of final-normed hidden states (the LM head or the tied embedding)."""
-    return lm_logits(self.params, hidden, cfg=self.cfg)
+    return lm_logits(self.params, hidden, cfg=self.cfg, compute_dtype=self.compute_dtype)
 
   def embed(self, tokens):
     return embed(self.params, tokens, cfg=self.cfg)
+
+  def output_embedding(self) -> Float[Array, 'V D']:
+    """The LM head as vocabulary rows ``[V, D]``: the tied embedding, or the head's kernel."""
+    if self.cfg.tie_word_embeddings:
+      return self.params['embed_tokens']['embedding']
+    return self.params['lm_head']['kernel'].T
 
   def forward_logits(self, token_ids: Int[Array, 'B T']) -> Float[Array, 'B T V']:
     """Plain causal forward over ``token_ids`` from an empty cache; float32 logits."""

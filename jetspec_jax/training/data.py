@@ -192,9 +192,12 @@ def generate_from_config(config, target: qwen3.Target, data_dir) -> list[pathlib
   )
 
 
-def features_path(shard: pathlib.Path, data_dir=None, features_dir=None) -> pathlib.Path:
-  """A shard's features: beside it, or at its relative path under ``features_dir``."""
-  beside = shard.with_name(shard.name.removesuffix('.npz') + '.features.npy')
+def features_path(
+  shard: pathlib.Path, data_dir=None, features_dir=None, kind: str = 'features'
+) -> pathlib.Path:
+  """A shard's features (``kind='labels'``: its target-argmax labels): beside it, or at its
+  relative path under ``features_dir``."""
+  beside = shard.with_name(shard.name.removesuffix('.npz') + f'.{kind}.npy')
   if features_dir is None:
     return beside
   return pathlib.Path(features_dir) / beside.relative_to(data_dir)
@@ -212,7 +215,10 @@ def compute_features(
   """Recomputes the target features of every shard under ``data_dir`` that has none in
   ``features_dir`` (a batched teacher-forced forward over prompt + response, the same rows that
   generation collects: taps, then the final-normed hidden state; the last token's row is zeros,
-  as the target never reads it). Resumable: finished shards are skipped.
+  as the target never reads it). Beside each shard's features go its labels
+  (``shard_*.labels.npy``, int32 ``[sum of lengths]``): the target's argmax at every position
+  (the greedy next token after it), from the float32 forward. Resumable: finished shards are
+  skipped.
 
   Returns:
     How many shards were computed.
@@ -226,16 +232,24 @@ def compute_features(
       'use another features directory'
     )
   meta.write_text(json.dumps(list(taps)))
-  forward = jax.jit(
-    lambda tokens, lengths: rounds.prefill(
+  hidden_size = target.cfg.hidden_size
+
+  @jax.jit
+  def forward(tokens, lengths):
+    feats = rounds.prefill(
       target, tokens, lengths, tokens.shape[1], taps=tuple(taps), with_hidden=True
     )[2]
-  )
-  todo = [p for p in shard_paths(data_dir) if not features_path(p, data_dir, features_dir).exists()]
+    argmax = jnp.argmax(target.lm_logits(feats[..., -hidden_size:]), axis=-1)
+    return feats, argmax.astype(jnp.int32)
+
+  def done(p):
+    return all(features_path(p, data_dir, features_dir, k).exists() for k in ('features', 'labels'))
+
+  todo = [p for p in shard_paths(data_dir) if not done(p)]
   for path in tqdm(todo, desc='features', unit='shard', disable=not progress):
     shard = np.load(path)
     tokens, lengths = shard['tokens'].astype(np.int32), shard['lengths']
-    rows = []
+    rows, labels = [], []
     for b in range(0, len(tokens), batch_size):
       lens = lengths[b : b + batch_size]
       width = decoding.bucket(int(lens.max()))
@@ -243,21 +257,29 @@ def compute_features(
       rows_in = tokens[b : b + batch_size, :width]
       batch[: len(lens), : rows_in.shape[1]] = rows_in
       padded_lens = np.concatenate([lens, np.ones(batch_size - len(lens), lens.dtype)])
-      feats = np.asarray(forward(jnp.asarray(batch), jnp.asarray(padded_lens, jnp.int32)))
+      feats, argmax = forward(jnp.asarray(batch), jnp.asarray(padded_lens, jnp.int32))
+      feats, argmax = np.asarray(feats), np.asarray(argmax)
       for i, n in enumerate(lens):
         row = feats[i, :n].astype(np.float16)
         row[n - 1] = 0
         rows.append(row)
+        labels.append(argmax[i, :n])
     out = features_path(path, data_dir, features_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    _save_rows(features_path(path, data_dir, features_dir, 'labels'), labels, np.int32)
     _save_features(out, rows)
   return len(todo)
 
 
 def _save_features(path: pathlib.Path, rows) -> None:
   """One float16 ``[sum of lengths, F]`` array, written atomically (temp file + rename)."""
+  _save_rows(path, rows, np.float16)
+
+
+def _save_rows(path: pathlib.Path, rows, dtype) -> None:
+  """Per-sequence rows as one ``dtype`` array, written atomically (temp file + rename)."""
   tmp = path.with_name(path.name + '.tmp.npy')
-  np.save(tmp, np.concatenate(rows).astype(np.float16))
+  np.save(tmp, np.concatenate(rows).astype(dtype))
   os.replace(tmp, path)
 
 
@@ -307,10 +329,13 @@ class TokenShards:
     shards_per_dir: int | None = None,
     skip_per_dir: int = 0,
     features_dir: str | os.PathLike | None = None,
+    target_labels: bool = False,
   ):
     """``shards_per_dir`` keeps only the first that many shards of each directory (a fixed
     prefix of data that is still being generated) after skipping its first ``skip_per_dir``
-    (held-out data: e.g. ``skip_per_dir=6, shards_per_dir=1`` is each directory's 7th shard)."""
+    (held-out data: e.g. ``skip_per_dir=6, shards_per_dir=1`` is each directory's 7th shard).
+    ``target_labels``: items carry ``labels [max_len]``, the target's greedy next token at every
+    position (``labels[p]`` = argmax of the target at ``p - 1``; :func:`compute_features`)."""
     paths = shard_paths(data_dir)
     if shards_per_dir is not None or skip_per_dir:
       seen = collections.Counter()  # paths are sorted: each directory's shards in order
@@ -342,6 +367,16 @@ class TokenShards:
         (np.load(f, mmap_mode='r'), start) for f, start in zip(feature_files, starts)
       ]
       self._where = [(s, j) for s, d in enumerate(loaded) for j in range(len(d['lengths']))]
+    self._labels = None
+    if target_labels:
+      label_files = [features_path(p, data_dir, features_dir, 'labels') for p in paths]
+      missing = [str(f) for f in label_files if not f.exists()]
+      if missing or self._features is None:
+        raise FileNotFoundError(
+          f'target labels asked for, but {len(missing)} label files are missing (first: '
+          f'{(missing or ["features"])[0]}); compute them with data.compute_features'
+        )
+      self._labels = [np.load(f, mmap_mode='r') for f in label_files]
 
     def fit(x):
       x = x[:, :width]
@@ -363,7 +398,15 @@ class TokenShards:
       feats = np.zeros((self.width, rows.shape[1]), np.float32)
       feats[:n] = rows[offsets[j] : offsets[j] + n]
       item['features'] = feats
+      if self._labels is not None:
+        labels = np.array(self.tokens[i])  # position 0 has no prediction: its own token
+        labels[1:n] = self._labels[shard][offsets[j] : offsets[j] + n - 1]
+        item['labels'] = labels
     return item
+
+  def response_token_counts(self, vocab_size: int) -> np.ndarray:
+    """How often each token id occurs among the response tokens (``[vocab_size]``)."""
+    return np.bincount(self.tokens[self.loss_mask > 0], minlength=vocab_size)[:vocab_size]
 
   @property
   def num_tokens(self) -> int:

@@ -22,11 +22,15 @@ from jax.sharding import PartitionSpec as P
 
 from jetspec_jax import decoding, dspark, sharding
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.models import gguf_io, hf_io, qwen3
+from jetspec_jax.models import gguf_io, hf_io, matmul, qwen3
 from jetspec_jax.training import blocks as blocks_lib
 from jetspec_jax.training import chat_data, losses
 from jetspec_jax.training import data as data_lib
 from jetspec_jax.training.loop import TrainState, init_state, make_optimizer, train_loop
+
+# The loss's hard labels: the data's tokens, or the target's argmax at every position (greedy
+# drafting's answer, also on sampled sequences; needs the features cache, data.compute_features).
+LABELS = ('data', 'target_argmax')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +44,9 @@ class StepSettings:
   loss_chunk: int = 64
   remat: bool = True
   consistency_weight: float = 0.3  # JetSpec++ heads only (sequence_sums)
+  # 'bfloat16': every head matmul and the vocabulary projection take bfloat16 inputs and
+  # accumulate in float32 (models/matmul.py); parameters and optimizer state stay float32.
+  compute_dtype: str | None = None
 
 
 def target_pass(target: qwen3.Target, tokens, taps):
@@ -50,7 +57,12 @@ def target_pass(target: qwen3.Target, tokens, taps):
 
 
 def head_block_outputs(
-  params, head_cfg: dh.DraftHeadConfig, target: qwen3.Target, features, blk: blocks_lib.Blocks
+  params,
+  head_cfg: dh.DraftHeadConfig,
+  target: qwen3.Target,
+  features,
+  blk: blocks_lib.Blocks,
+  compute_dtype=None,
 ):
   """The head's final-normed outputs ``[A, bs, D]`` for all blocks of one sequence.
 
@@ -58,7 +70,7 @@ def head_block_outputs(
   repeated per block); each block's mask keeps only its own context prefix.
   """
   seq_len = features.shape[0]
-  module = dh.DraftHeadModule(head_cfg, features.dtype)
+  module = dh.DraftHeadModule(head_cfg, features.dtype, compute_dtype=compute_dtype)
   ctx_k, ctx_v = module.apply(
     {'params': dh.backbone_params(params)},
     features[None],
@@ -113,9 +125,33 @@ def sequence_sums(
   features,
   key,
   settings: StepSettings,
+  labels=None,
+  draft_vocab=None,
 ) -> losses.LossSums:
-  """Loss sums of one sequence's sampled blocks (spec §C.7)."""
+  """Loss sums of one sequence's sampled blocks (spec §C.7).
+
+  ``labels [L]`` (default: ``tokens``) are the hard labels of the loss: ``labels[p]`` is what a
+  slot at position ``p`` should draft (the target's argmax at ``p - 1`` for greedy drafting, also
+  on sampled sequences, whose tokens remain the context). With ``draft_vocab`` (sorted ids
+  ``[K]``) the head is scored over those ids only and a label outside them has no loss.
+  """
   is_dspark = head_cfg.kind == 'dspark'
+  labels = tokens if labels is None else labels
+  seq_len = tokens.shape[0]
+  project = lambda h: dh.vocab_logits(target, h, draft_vocab, settings.compute_dtype)
+  if draft_vocab is None:
+    to_draft = lambda ids: ids
+  else:
+    index = jnp.full((target.cfg.vocab_size,), -1, jnp.int32)
+    index = index.at[draft_vocab].set(jnp.arange(draft_vocab.shape[0], dtype=jnp.int32))
+    to_draft = lambda ids: index[ids]
+
+  def label_at(positions, valid):
+    return jnp.where(valid, to_draft(labels[jnp.clip(positions, 0, seq_len - 1)]), 0)
+
+  outputs = lambda blk: head_block_outputs(
+    params, head_cfg, target, features, blk, settings.compute_dtype
+  )
   if is_dspark != (settings.loss == 'dspark'):
     raise ValueError(
       f'a {head_cfg.kind} head cannot train with loss={settings.loss!r} '
@@ -126,17 +162,17 @@ def sequence_sums(
   if is_dspark:
     bs = head_cfg.block_size
     blk, inputs = dspark_blocks(key, tokens, loss_mask, length, head_cfg, settings.num_anchors)
-    out = head_block_outputs(params, head_cfg, target, features, inputs)
-    teacher = hidden[jnp.clip(inputs.positions, 0, tokens.shape[0] - 1)]
+    out = outputs(inputs)
+    teacher = hidden[jnp.clip(inputs.positions, 0, seq_len - 1)]
     return losses.dspark_block_losses(
       out,
       teacher,
       blk.targets[:, :bs],  # x_{a+k}: the anchor, then the true tokens
-      blk.targets[:, 1:],
+      label_at(blk.positions[:, 1:], blk.valid[:, 1:]),
       blk.valid[:, 1:],
       blk.keep,
-      lm_head=target.lm_logits,
-      markov_bias=lambda prev: dspark.markov_bias(params, prev),
+      lm_head=project,
+      markov_bias=lambda prev: dspark.markov_bias(params, prev, draft_vocab),
       confidence_logits=lambda h, prev: dspark.confidence_logits(params, h, prev),
       weights=weights[1:],
       chunk=settings.loss_chunk,
@@ -154,17 +190,17 @@ def sequence_sums(
     block_size=span,
     mask_token_id=head_cfg.mask_token_id,
   )
-  out = head_block_outputs(params, head_cfg, target, features, blk)
+  out = outputs(blk)
 
   def sums_of(blk, out):
-    teacher = hidden[jnp.clip(blk.positions - 1, 0, tokens.shape[0] - 1)]
+    teacher = hidden[jnp.clip(blk.positions - 1, 0, seq_len - 1)]
     return losses.block_losses(
       out,
       teacher,
-      blk.targets,
+      label_at(blk.positions, blk.valid),
       blk.valid,
       blk.keep,
-      lm_head=target.lm_logits,
+      lm_head=project,
       weights=weights,
       loss=settings.loss,
       temperature=settings.temperature,
@@ -178,7 +214,7 @@ def sequence_sums(
   # JetSpec++: half the anchors are clean blocks, each followed by a second block seeded with
   # the clean block's own draft (no gradient through the seed): see second_block_outputs.
   second, second_out = second_block_outputs(
-    params, head_cfg, target, tokens, loss_mask, length, features, blk, out, key
+    head_cfg, tokens, loss_mask, length, blk, out, key, outputs, project, draft_vocab
   )
   refined = sums_of(second, second_out)
   # Consistency (XPress-style, next_methods.md §5.3 c): plain MASK drafting is pulled toward the
@@ -188,7 +224,7 @@ def sequence_sums(
     out[pairs],
     second_out[pairs],
     blk.valid[pairs] & second.valid[pairs],
-    lm_head=target.lm_logits,
+    lm_head=project,
     weights=weights,
     chunk=settings.loss_chunk,
     remat=settings.remat,
@@ -214,10 +250,20 @@ def second_block_kinds(num_blocks: int) -> np.ndarray:
 
 
 def second_block_outputs(
-  params, head_cfg, target, tokens, loss_mask, length, features, clean: blocks_lib.Blocks, out, key
+  head_cfg,
+  tokens,
+  loss_mask,
+  length,
+  clean: blocks_lib.Blocks,
+  out,
+  key,
+  outputs,
+  project,
+  draft_vocab=None,
 ):
   """The JetSpec++ second blocks after ``clean`` blocks whose head outputs are ``out``, and their
-  head outputs. By :func:`second_block_kinds`:
+  head outputs (``outputs(blocks)``; ``project`` scores outputs over the draft vocabulary
+  ``draft_vocab``, None: all ids). By :func:`second_block_kinds`:
 
   * ``'next_round'``: the block the next round drafts, anchored where the clean block's greedy
     chain stops and seeded with its leftover draft (:func:`blocks_lib.refine_blocks`);
@@ -227,8 +273,10 @@ def second_block_outputs(
   """
   num_blocks = clean.keep.shape[0]
   kinds = second_block_kinds(num_blocks)
-  draft = target.lm_logits(jax.lax.stop_gradient(out[:, 1:]))
+  draft = project(jax.lax.stop_gradient(out[:, 1:]))
   guesses = jnp.argmax(draft, axis=-1).astype(jnp.int32)
+  if draft_vocab is not None:
+    guesses = draft_vocab[guesses]
   refine = blocks_lib.refine_blocks(
     clean,
     guesses,
@@ -251,7 +299,61 @@ def second_block_outputs(
     refine = jax.tree.map(
       lambda a, b: jnp.where(is_noisy.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), noisy, refine
     )
-  return refine, head_block_outputs(params, head_cfg, target, features, refine)
+  return refine, outputs(refine)
+
+
+def batch_sums(
+  params,
+  head_cfg: dh.DraftHeadConfig,
+  target: qwen3.Target,
+  batch: dict,
+  key,
+  settings: StepSettings,
+  draft_vocab=None,
+) -> losses.LossSums:
+  """Loss sums of a batch (:func:`make_train_step`'s ``batch``), summed over its sequences.
+
+  The target runs only when the batch carries no stored ``features``.
+  """
+  num_tap_features = head_cfg.num_taps * head_cfg.hidden_size
+  if 'features' in batch:
+    stored = jax.lax.stop_gradient(batch['features'].astype(target.dtype))
+    hidden, features = stored[..., num_tap_features:], stored[..., :num_tap_features]
+  else:
+    hidden, features = target_pass(target, batch['tokens'], head_cfg.target_layer_ids)
+  keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(batch['index'])
+
+  def one(tokens, loss_mask, length, hidden, features, key, labels):
+    return sequence_sums(
+      params,
+      head_cfg,
+      target,
+      tokens,
+      loss_mask,
+      length,
+      hidden,
+      features,
+      key,
+      settings,
+      labels=labels,
+      draft_vocab=draft_vocab,
+    )
+
+  labels = batch.get('labels', batch['tokens'])
+  sums = jax.vmap(one)(
+    batch['tokens'], batch['loss_mask'], batch['lengths'], hidden, features, keys, labels
+  )
+  return jax.tree.map(lambda x: jnp.sum(x, axis=0), sums)
+
+
+def sums_metrics(sums: losses.LossSums) -> dict:
+  """Loss, per-depth accuracy (depth 1 .. max) and expected chain tau of summed loss sums."""
+  count = jnp.maximum(sums.count, 1)
+  return dict(
+    loss=sums.loss / jnp.maximum(sums.weight, 1e-9),
+    accuracy=(sums.correct / count)[1:],
+    expected_tau=1.0 + sums.accepted / jnp.maximum(sums.blocks, 1),
+  )
 
 
 def make_train_step(
@@ -260,6 +362,7 @@ def make_train_step(
   optimizer,
   settings: StepSettings,
   mesh: jax.sharding.Mesh,
+  draft_vocab=None,
 ):
   """Returns ``train_step(state, batch, key) -> (state, metrics)``.
 
@@ -267,25 +370,15 @@ def make_train_step(
   ``index int32[B]`` (position in the global batch; the anchor key of sequence ``i`` is
   ``fold_in(key, index[i])``). ``B`` must be a multiple of the mesh's ``'data'`` size. With
   ``features [B, L, n_taps*D + D]`` (stored with the data: the head's taps, then the final
-  hidden state) the step runs no target forward.
+  hidden state) the step runs no target forward; with ``labels int32[B, L]`` those are the loss's
+  hard labels (:func:`sequence_sums`). ``draft_vocab``: a reduced draft vocabulary (sorted ids).
   """
-  taps = head_cfg.target_layer_ids
-  num_tap_features = len(taps) * head_cfg.hidden_size
 
-  def local_step(state: TrainState, batch, key, target_params):
+  def local_step(state: TrainState, batch, key, target_params, draft_vocab):
     tgt = target.replace(params=target_params)
-    if 'features' in batch:
-      stored = jax.lax.stop_gradient(batch['features'].astype(tgt.dtype))
-      hidden, features = stored[..., num_tap_features:], stored[..., :num_tap_features]
-    else:
-      hidden, features = target_pass(tgt, batch['tokens'], taps)
-    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(batch['index'])
 
     def loss_fn(params):
-      sums = jax.vmap(lambda *a: sequence_sums(params, head_cfg, tgt, *a, settings=settings))(
-        batch['tokens'], batch['loss_mask'], batch['lengths'], hidden, features, keys
-      )
-      sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums)
+      sums = batch_sums(params, head_cfg, tgt, batch, key, settings, draft_vocab)
       return sums.loss, sums
 
     grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
@@ -294,12 +387,9 @@ def make_train_step(
     grads = jax.tree.map(lambda g: jax.lax.psum(g, 'data') / weight, grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    count = jnp.maximum(sums.count, 1)
     metrics = dict(
-      loss=sums.loss / weight,
+      **sums_metrics(sums),
       grad_norm=optax.global_norm(grads),
-      accuracy=(sums.correct / count)[1:],  # depth 1 .. bs-1
-      expected_tau=1.0 + sums.accepted / jnp.maximum(sums.blocks, 1),
       active_slots=sums.count.sum(),
     )
     return TrainState(state.step + 1, params, opt_state), metrics
@@ -307,16 +397,44 @@ def make_train_step(
   sharded = jax.shard_map(
     local_step,
     mesh=mesh,
-    in_specs=(P(), P('data'), P(), P()),
+    in_specs=(P(), P('data'), P(), P(), P()),
     out_specs=(P(), P()),
     check_vma=False,
   )
   jitted = jax.jit(sharded, donate_argnums=(0,))
 
+  vocab = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
+
   def train_step(state, batch, key):
-    return jitted(state, batch, key, target.params)
+    return jitted(state, batch, key, target.params, vocab)
 
   return train_step
+
+
+def make_heldout_eval(
+  target: qwen3.Target,
+  head_cfg: dh.DraftHeadConfig,
+  batch: dict,
+  settings: StepSettings,
+  draft_vocab=None,
+  seed: int = 0,
+):
+  """``params -> metrics``: teacher-forced loss, per-depth accuracy and expected chain tau of
+  the head on a fixed held-out ``batch`` (same anchors every call), named ``heldout_*``."""
+  key = jax.random.key(seed)
+  vocab = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
+  batch = jax.tree.map(jnp.asarray, dict(batch))
+
+  @jax.jit
+  def run(params, target_params, vocab):
+    tgt = target.replace(params=target_params)
+    return sums_metrics(batch_sums(params, head_cfg, tgt, batch, key, settings, vocab))
+
+  def evaluate(params):
+    metrics = jax.device_get(run(params, target.params, vocab))
+    return {f'heldout_{k}': v for k, v in metrics.items()}
+
+  return evaluate
 
 
 def fit(
@@ -334,13 +452,18 @@ def fit(
   checkpoint_every: int = 100,
   stop_after: int | None = None,
   mesh: jax.sharding.Mesh | None = None,
+  draft_vocab=None,
+  evaluate=None,
+  eval_every: int = 0,
 ) -> tuple[TrainState, list[dict]]:
   """Trains a draft head with :func:`~jetspec_jax.training.loop.train_loop`.
 
   Resume order: existing checkpoint in ``workdir`` > ``init_params`` (e.g. from ``init_from``) >
   scratch (seeded). ``batches[s]`` is the global batch of step ``s``; the anchors of step ``s``
   come from ``fold_in(key(seed + 1), s)``. The state is replicated over ``mesh``, and a
-  checkpoint restores onto it from any device count or mesh.
+  checkpoint restores onto it from any device count or mesh. ``draft_vocab``: train over a
+  reduced draft vocabulary (:func:`sequence_sums`); ``evaluate``/``eval_every``: held-out
+  metrics logged beside the training ones (:func:`make_heldout_eval`).
 
   Returns:
     (final state, logged metrics).
@@ -348,7 +471,7 @@ def fit(
   mesh = mesh or sharding.make_mesh()
   if init_params is None:
     init_params = dh.init_head_params(head_cfg, jax.random.key(seed), target.dtype)
-  train_step = make_train_step(target, head_cfg, optimizer, settings, mesh)
+  train_step = make_train_step(target, head_cfg, optimizer, settings, mesh, draft_vocab)
   base_key = jax.random.key(seed + 1)
   return train_loop(
     lambda state, batch, step: train_step(state, batch, jax.random.fold_in(base_key, step)),
@@ -360,6 +483,8 @@ def fit(
     checkpoint_every=checkpoint_every,
     stop_after=stop_after,
     tokens_of=lambda batch: int(np.asarray(batch['lengths']).sum()),
+    evaluate=evaluate,
+    eval_every=eval_every,
     state_sharding=jax.sharding.NamedSharding(mesh, P()),
   )
 
@@ -387,6 +512,9 @@ def load_target_from_config(target_config) -> qwen3.Target:
 def train_and_evaluate(config, workdir: str) -> dict:
   """Everything ``experiments/train_draft.py`` does: data, training, export, tau before/after."""
   workdir_path = pathlib.Path(workdir)
+  if config.train.get('labels', 'data') not in LABELS:
+    raise ValueError(f'train.labels must be one of {LABELS}, got {config.train.labels!r}')
+  matmul.resolve(config.train.get('compute_dtype'))  # a bad dtype name fails before any work
   target = load_target_from_config(config.target)
   head_cfg = dh.config_for_target(
     target.cfg,
@@ -415,11 +543,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
       tuple(config.data.feature_taps),
       batch_size=config.data.get('feature_batch', 8),
     )
+  target_labels = config.train.get('labels', 'data') == 'target_argmax'
+  heldout_shards = config.eval.get('heldout_shards', 0)
   source = data_lib.TokenShards(
     data_dir,
     max_len=config.data.max_len,
     shards_per_dir=config.data.get('shards_per_dir') or None,
+    skip_per_dir=heldout_shards,
     features_dir=features_dir,
+    target_labels=target_labels,
   )
   if source.feature_taps is not None and source.feature_taps != tuple(head_cfg.target_layer_ids):
     raise ValueError(
@@ -427,6 +559,16 @@ def train_and_evaluate(config, workdir: str) -> dict:
       f'{tuple(head_cfg.target_layer_ids)}; regenerate the data or match the taps'
     )
   batches = data_lib.make_batches(source, config.train.global_batch, config.seed)
+  draft_vocab = None
+  if config.head.get('draft_vocab_coverage'):
+    counts = source.response_token_counts(target.cfg.vocab_size)
+    draft_vocab = dh.draft_vocabulary(counts, config.head.draft_vocab_coverage)
+    logging.info(
+      'draft vocabulary: %d of %d ids cover %.4f of the response tokens',
+      len(draft_vocab),
+      target.cfg.vocab_size,
+      counts[draft_vocab].sum() / counts.sum(),
+    )
   optimizer = make_optimizer(
     lr=config.train.lr,
     steps=config.train.steps,
@@ -442,14 +584,41 @@ def train_and_evaluate(config, workdir: str) -> dict:
     loss_chunk=config.train.loss_chunk,
     remat=config.train.get('remat', True),
     consistency_weight=config.train.get('consistency_weight', 0.3),
+    compute_dtype=config.train.get('compute_dtype'),
   )
+  evaluate = None
+  if heldout_shards:  # the first shards of greedy/, never trained on (skip_per_dir above)
+    greedy = data_dir / 'greedy'
+    heldout = data_lib.TokenShards(
+      greedy,
+      max_len=config.data.max_len,
+      shards_per_dir=heldout_shards,
+      features_dir=pathlib.Path(features_dir) / 'greedy' if features_dir else None,
+      target_labels=target_labels,
+    )
+    n = min(len(heldout), config.eval.get('heldout_sequences', 32))
+    items = [heldout[i] for i in range(n)]
+    heldout_batch = {k: np.stack([item[k] for item in items]) for k in items[0]}
+    heldout_batch['index'] = np.arange(n, dtype=np.int32)
+    evaluate = make_heldout_eval(
+      target,
+      head_cfg,
+      heldout_batch,
+      dataclasses.replace(settings, num_anchors=config.eval.get('heldout_anchors', 64)),
+      draft_vocab,
+      seed=config.seed,
+    )
   if config.train.init_from:
     init_params = hf_io.load_draft_head(config.train.init_from, target).params
   else:
     init_params = dh.init_head_params(head_cfg, jax.random.key(config.seed), target.dtype)
     if config.head.get('init_from_target_layers'):
       init_params = dh.init_from_target_layers(init_params, head_cfg, target.params)
-  initial = dh.DraftHead(cfg=head_cfg, params=init_params)
+  initial = dh.DraftHead(
+    cfg=head_cfg,
+    params=init_params,
+    draft_vocab=None if draft_vocab is None else jnp.asarray(draft_vocab),
+  )
   eval_prompts = [np.asarray(p) for p in prompts[: config.eval.num_prompts]]
 
   def mean_tau(h):
@@ -483,8 +652,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
     log_every=config.train.log_every,
     checkpoint_every=config.train.checkpoint_every,
     stop_after=config.train.get('stop_after'),
+    draft_vocab=draft_vocab,
+    evaluate=evaluate,
+    eval_every=config.eval.get('heldout_every', 0),
   )
-  head = dh.DraftHead(cfg=head_cfg, params=state.params)
+  head = initial.replace(params=state.params)
   export_dir = workdir_path / 'export'
   hf_io.save_draft_head(head, export_dir)
   result = dict(

@@ -93,7 +93,9 @@ def block_losses(
   Args:
     head_hidden: ``[A, bs, D]`` the head's final-normed outputs.
     teacher_hidden: ``[A, bs, D]`` the target's final-normed hidden at ``a+i-1``.
-    targets: ``int32[A, bs]`` ``x_{a+i}`` (the hard labels).
+    targets: ``int32[A, bs]`` ``x_{a+i}`` (the hard labels: indices into ``lm_head``'s
+      output; ``-1`` where the label is outside a reduced draft vocabulary: no loss there, and
+      never correct).
     valid: ``bool[A, bs]`` active slots.
     keep: ``bool[A]`` real blocks.
     lm_head: hidden ``[..., D]`` -> logits ``[..., V]`` (the target's frozen head).
@@ -108,7 +110,10 @@ def block_losses(
     raise ValueError(
       f"loss must be 'fkl' or 'ce' here ('dspark': dspark_block_losses), got {loss!r}"
     )
-  bs = head_hidden.shape[1]
+  # The anchor slot has no loss: it is never projected onto the vocabulary.
+  head_hidden, teacher_hidden = head_hidden[:, 1:], teacher_hidden[:, 1:]
+  targets, valid, weights = targets[:, 1:], valid[:, 1:], weights[1:]
+  depth = head_hidden.shape[1]
 
   def one_chunk(hh, th, tgt, vld):
     zq = lm_head(hh).astype(jnp.float32)
@@ -117,18 +122,29 @@ def block_losses(
       log_q = jax.nn.log_softmax(zq / temperature, axis=-1)
       log_p = jax.nn.log_softmax(zp / temperature, axis=-1)
       per_slot = temperature**2 * jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
-      label = jnp.argmax(zp, -1)
+      label, labelled = jnp.argmax(zp, -1), vld
     else:  # no teacher logits: the label is the data's token
       log_q = jax.nn.log_softmax(zq, axis=-1)
-      per_slot = -jnp.take_along_axis(log_q, tgt[..., None], axis=-1)[..., 0]
+      labelled = vld & (tgt >= 0)
+      picked = jnp.take_along_axis(log_q, jnp.maximum(tgt, 0)[..., None], axis=-1)[..., 0]
+      per_slot = jnp.where(labelled, -picked, 0.0)
       label = tgt
-    w = jnp.where(vld, weights[None, :], 0.0)
-    correct = (jnp.argmax(zq, -1) == label) & vld
-    return _chunk_sums(per_slot, w, correct, vld, correct[:, 1:])  # the anchor slot has no loss
+    w = jnp.where(labelled, weights[None, :], 0.0)
+    correct = (jnp.argmax(zq, -1) == label) & labelled
+    return _chunk_sums(per_slot, w, correct, vld, correct)
 
   arrays = (head_hidden, teacher_hidden, targets, valid)
-  loss_sum, weight_sum, correct, count, accepted = _scan_chunks(one_chunk, arrays, bs, chunk, remat)
-  return LossSums(loss_sum, weight_sum, correct, count, accepted, jnp.sum(keep))
+  sums = _scan_chunks(one_chunk, arrays, depth, chunk, remat)
+  loss_sum, weight_sum, correct, count, accepted = sums
+  lead = jnp.zeros((1,), jnp.int32)  # index k = depth k, as the per-depth counts are read
+  return LossSums(
+    loss_sum,
+    weight_sum,
+    jnp.concatenate([lead, correct]),
+    jnp.concatenate([lead, count]),
+    accepted,
+    jnp.sum(keep),
+  )
 
 
 def consistency_sums(
@@ -207,7 +223,8 @@ def dspark_block_losses(
     zp = jax.lax.stop_gradient(lm_head(th).astype(jnp.float32))
     log_q = jax.nn.log_softmax(zq, axis=-1)
     p_t = jax.nn.softmax(zp, axis=-1)
-    ce = -jnp.take_along_axis(log_q, tgt[..., None], axis=-1)[..., 0]
+    picked = jnp.take_along_axis(log_q, jnp.maximum(tgt, 0)[..., None], axis=-1)[..., 0]
+    ce = jnp.where(tgt >= 0, -picked, 0.0)  # -1: outside a reduced draft vocabulary
     tv = 0.5 * jnp.sum(jnp.abs(jnp.exp(log_q) - p_t), axis=-1)
     label = jax.lax.stop_gradient(1.0 - tv)
     z = confidence_logits(hh, prev)

@@ -1,0 +1,99 @@
+"""Mixed-precision matmuls: low-precision (bfloat16) inputs, float32 accumulation and output.
+
+On accelerators this is the usual bf16 matmul; on a CPU with AMX it is also the fast path (a
+1024x576x1536 matmul measured 57 GFLOP/s in float32 and 263-316 GFLOP/s with bfloat16 inputs and
+``preferred_element_type=float32``, while a dot whose *output* is bfloat16 ran 50). The backward
+pass keeps the same form: both gradient matmuls take bfloat16 inputs (the float32 cotangent is
+rounded once) and accumulate in float32, so the gradients reach the float32 master weights at
+float32. Plain ``jax.grad`` of a bf16-input dot would instead multiply the float32 cotangent by a
+bfloat16 operand, which XLA runs as a float32 dot.
+
+:func:`dot_general` plugs into Flax's ``nn.Dense(dot_general=...)`` / ``nn.DenseGeneral``;
+:func:`matmul` contracts the trailing axes of ``x`` with the leading axes of ``w``.
+"""
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def matmul(x, w, num_contract: int = 1, compute_dtype: Any = jnp.bfloat16):
+  """``x [..., *K] @ w [*K, *N] -> [..., *N]`` (float32) with ``compute_dtype`` inputs."""
+  out, _ = _matmul_fwd(x, w, num_contract, compute_dtype)
+  return out
+
+
+def _flat(x, w, num_contract):
+  k = math.prod(w.shape[:num_contract])
+  return x.reshape(-1, k), w.reshape(k, -1)
+
+
+def _dot(a, b, compute_dtype):
+  return jax.lax.dot(
+    a.astype(compute_dtype), b.astype(compute_dtype), preferred_element_type=jnp.float32
+  )
+
+
+def _matmul_fwd(x, w, num_contract, compute_dtype):
+  if x.shape[x.ndim - num_contract :] != w.shape[:num_contract]:
+    raise ValueError(f'cannot contract {x.shape} with {w.shape} over {num_contract} axes')
+  x2, w2 = _flat(x, w, num_contract)
+  out_shape = x.shape[: x.ndim - num_contract] + w.shape[num_contract:]
+  out = _dot(x2, w2, compute_dtype).reshape(out_shape)
+  # Residuals in the compute dtype (half the memory; the backward reads them so), plus empty
+  # arrays that carry the inputs' dtypes (residuals must be arrays).
+  xc, wc = x.astype(compute_dtype), w.astype(compute_dtype)
+  return out, (xc, wc, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _matmul_bwd(num_contract, compute_dtype, residuals, g):
+  xc, wc, x_dtype, w_dtype = residuals
+  x2, w2 = _flat(xc, wc, num_contract)
+  g2 = g.reshape(x2.shape[0], w2.shape[1]).astype(compute_dtype)
+  dx = _dot(g2, w2.T, compute_dtype).reshape(xc.shape).astype(x_dtype.dtype)
+  dw = _dot(x2.T, g2, compute_dtype).reshape(wc.shape).astype(w_dtype.dtype)
+  return dx, dw
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def dot_general(compute_dtype: Any = jnp.bfloat16):
+  """A ``lax.dot_general`` replacement for Flax's ``Dense`` / ``DenseGeneral``: the trailing
+  axes of the input contract with the leading axes of the kernel (no batch axes), through
+  :func:`matmul`. Other dimension numbers are refused (they never occur in those layers)."""
+
+  def fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    del precision, preferred_element_type  # the output is float32 by construction
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    n = len(lhs_contract)
+    trailing = tuple(range(lhs.ndim - n, lhs.ndim))
+    if (
+      lhs_batch
+      or rhs_batch
+      or tuple(lhs_contract) != trailing
+      or tuple(rhs_contract) != tuple(range(n))
+    ):
+      raise NotImplementedError(f'mixed-precision dot_general for {dimension_numbers}')
+    return matmul(lhs, rhs, n, compute_dtype)
+
+  return fn
+
+
+def resolve(compute_dtype) -> Any:
+  """``None``/``'float32'`` -> None (plain matmuls); ``'bfloat16'`` etc. -> the dtype."""
+  if compute_dtype is None:
+    return None
+  dtype = jnp.dtype(compute_dtype)
+  return None if dtype == jnp.float32 else dtype
+
+
+def dense_options(compute_dtype) -> dict:
+  """Keyword arguments for ``nn.Dense`` / ``nn.DenseGeneral``: mixed precision when
+  ``compute_dtype`` is set (:func:`resolve`), else nothing (Flax's own dot)."""
+  dtype = resolve(compute_dtype)
+  return {} if dtype is None else dict(dot_general=dot_general(dtype))
