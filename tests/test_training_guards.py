@@ -263,6 +263,11 @@ def test_target_argmax_labels(target, shards):
     else:
       greedy_differs += int((~same).sum())
   assert greedy_differs > 0  # sampled data: the labels are not the sampled tokens
+  greedy = data_lib.TokenShards(
+    path, max_len=30, features_dir=features, target_labels=True, subdir='greedy'
+  )
+  np.testing.assert_array_equal(greedy[2]['labels'], source[2]['labels'])
+  assert len(greedy) == 3
   with pytest.raises(FileNotFoundError, match='label'):
     data_lib.TokenShards(path, max_len=30, target_labels=True)
 

@@ -330,13 +330,16 @@ class TokenShards:
     skip_per_dir: int = 0,
     features_dir: str | os.PathLike | None = None,
     target_labels: bool = False,
+    subdir: str | None = None,
   ):
     """``shards_per_dir`` keeps only the first that many shards of each directory (a fixed
     prefix of data that is still being generated) after skipping its first ``skip_per_dir``
     (held-out data: e.g. ``skip_per_dir=6, shards_per_dir=1`` is each directory's 7th shard).
     ``target_labels``: items carry ``labels [max_len]``, the target's greedy next token at every
-    position (``labels[p]`` = argmax of the target at ``p - 1``; :func:`compute_features`)."""
-    paths = shard_paths(data_dir)
+    position (``labels[p]`` = argmax of the target at ``p - 1``; :func:`compute_features`).
+    ``subdir``: only the shards under ``data_dir/subdir`` (features still found relative to
+    ``data_dir``)."""
+    paths = shard_paths(pathlib.Path(data_dir) / subdir if subdir else data_dir)
     if shards_per_dir is not None or skip_per_dir:
       seen = collections.Counter()  # paths are sorted: each directory's shards in order
       kept = []

@@ -588,13 +588,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
   )
   evaluate = None
   if heldout_shards:  # the first shards of greedy/, never trained on (skip_per_dir above)
-    greedy = data_dir / 'greedy'
     heldout = data_lib.TokenShards(
-      greedy,
+      data_dir,
       max_len=config.data.max_len,
       shards_per_dir=heldout_shards,
-      features_dir=pathlib.Path(features_dir) / 'greedy' if features_dir else None,
+      features_dir=features_dir,
       target_labels=target_labels,
+      subdir='greedy',
     )
     n = min(len(heldout), config.eval.get('heldout_sequences', 32))
     items = [heldout[i] for i in range(n)]
