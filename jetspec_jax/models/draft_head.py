@@ -447,8 +447,9 @@ def vocab_logits(
   table = target.output_embedding()
   if draft_vocab is not None:
     table = table[draft_vocab]
-  if matmul.resolve(compute_dtype) is not None:
-    return matmul.matmul(hidden, table.T, 1, matmul.resolve(compute_dtype))
+  compute_dtype = matmul.resolve(compute_dtype)
+  if compute_dtype is not None:
+    return matmul.matmul(hidden, table.T, 1, compute_dtype)
   return jnp.einsum('...d,vd->...v', hidden.astype(table.dtype), table).astype(jnp.float32)
 
 

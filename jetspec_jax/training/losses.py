@@ -74,6 +74,21 @@ def _scan_chunks(one_chunk, arrays, num_slots: int, chunk: int, remat: bool):
   return sums
 
 
+def _depth_sums(sums, keep) -> LossSums:
+  """:class:`LossSums` of scanned sums over slots for depths 1 .. n: the per-depth counts get
+  a leading 0, so index ``k`` is depth ``k`` (as they are read)."""
+  loss_sum, weight_sum, correct, count, accepted = sums
+  lead = jnp.zeros((1,), jnp.int32)
+  return LossSums(
+    loss_sum,
+    weight_sum,
+    jnp.concatenate([lead, correct]),
+    jnp.concatenate([lead, count]),
+    accepted,
+    jnp.sum(keep),
+  )
+
+
 def block_losses(
   head_hidden: Array,
   teacher_hidden: Array,
@@ -134,17 +149,7 @@ def block_losses(
     return _chunk_sums(per_slot, w, correct, vld, correct)
 
   arrays = (head_hidden, teacher_hidden, targets, valid)
-  sums = _scan_chunks(one_chunk, arrays, depth, chunk, remat)
-  loss_sum, weight_sum, correct, count, accepted = sums
-  lead = jnp.zeros((1,), jnp.int32)  # index k = depth k, as the per-depth counts are read
-  return LossSums(
-    loss_sum,
-    weight_sum,
-    jnp.concatenate([lead, correct]),
-    jnp.concatenate([lead, count]),
-    accepted,
-    jnp.sum(keep),
-  )
+  return _depth_sums(_scan_chunks(one_chunk, arrays, depth, chunk, remat), keep)
 
 
 def consistency_sums(
@@ -235,14 +240,4 @@ def dspark_block_losses(
     return _chunk_sums(per_slot, w, correct, vld, correct)
 
   arrays = (head_hidden, teacher_hidden, previous, targets, valid)
-  sums = _scan_chunks(one_chunk, arrays, gamma, chunk, remat)
-  loss_sum, weight_sum, correct, count, accepted = sums
-  lead = jnp.zeros((1,), jnp.int32)
-  return LossSums(
-    loss_sum,
-    weight_sum,
-    jnp.concatenate([lead, correct]),
-    jnp.concatenate([lead, count]),
-    accepted,
-    jnp.sum(keep),
-  )
+  return _depth_sums(_scan_chunks(one_chunk, arrays, gamma, chunk, remat), keep)
