@@ -24,84 +24,50 @@ import jetspec_jax as js
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-  """One way to decode: ``method`` ``'ar' | 'chain' | 'tree' | 'dspark' | 'jetspecpp'``, the
-  head's name, the tree shape (``'tree'``, ``'jetspecpp'``), how the verify length is chosen
-  (``'dspark'``), whether blocks are seeded with the last draft and the extra refine passes
-  (``'jetspecpp'``), and the copy candidates (``copy_len``; ``'chain'``, ``'tree'``,
-  ``'jetspecpp'``)."""
+  """One way to decode: a method value (:mod:`jetspec_jax.methods`) and the name of the head it
+  runs (None for AR)."""
 
-  method: str = 'ar'
+  method: js.methods.Method = js.methods.AR()
   head: str | None = None
-  budget: int | None = None
-  algorithm: str | None = None
-  width: int = 7
-  verify_length: str | None = None  # 'dspark': 'threshold' or 'scheduler'
-  threshold: float = 0.0
-  recycle: bool = True  # 'jetspecpp'
-  refine_passes: int = 0  # 'jetspecpp'
-  copy_len: int = 0  # 'chain', 'tree', 'jetspecpp'
 
   def __post_init__(self):
-    if self.method not in js.decoding.METHODS:
-      raise ValueError(f'method must be one of {js.decoding.METHODS}, got {self.method!r}')
-    if (self.method == 'ar') != (self.head is None):
-      raise ValueError(f'{self.method!r} takes {"no" if self.method == "ar" else "a"} head')
-    if self.method in ('tree', 'jetspecpp') and not self.budget:
-      raise ValueError(f'a {self.method} setting needs a budget')
-    if (self.method == 'dspark') != (self.verify_length is not None):
-      raise ValueError("a verify_length goes with method='dspark', and only with it")
-    if self.copy_len and self.method not in ('chain', 'tree', 'jetspecpp'):
-      raise ValueError(f'copy candidates go with chain, tree and jetspecpp, not {self.method!r}')
+    if not isinstance(self.method, js.methods.Method):
+      raise TypeError(f'a setting takes a method value, got {self.method!r}')
+    is_ar = isinstance(self.method, js.methods.AR)
+    if is_ar != (self.head is None):
+      raise ValueError(f'{self.method} takes {"no" if is_ar else "a"} head')
 
   @property
   def name(self) -> str:
-    return self._base_name + (f'/copy{self.copy_len}' if self.copy_len else '')
+    copy_len = getattr(self.method, 'copy_len', 0)
+    return self._base_name + (f'/copy{copy_len}' if copy_len else '')
 
   @property
   def _base_name(self) -> str:
-    if self.method == 'ar':
+    m = self.method
+    if isinstance(m, js.methods.AR):
       return 'ar'
-    if self.method == 'chain':
+    if isinstance(m, js.methods.Chain):
       return f'chain/{self.head}'
-    if self.method == 'dspark':
-      if self.verify_length == 'scheduler':
+    if isinstance(m, js.methods.DSpark):
+      if m.verify_length == 'scheduler':
         return f'dspark/{self.head}/scheduler'
-      return f'dspark/{self.head}/threshold{self.threshold:g}'
-    tree = f'{self.head}/{self.algorithm or "accum_logp"}/{self.budget}'
-    if self.method == 'jetspecpp':
-      seed = 'recycle' if self.recycle else 'mask'
-      return f'jetspecpp/{tree}/{seed}/passes{self.refine_passes}'
-    return f'tree/{tree}'
-
-  def generate_kwargs(self) -> dict:
-    if self.method == 'dspark':
-      return dict(method='dspark', verify_length=self.verify_length, threshold=self.threshold)
-    if self.method not in ('tree', 'jetspecpp'):
-      return dict(method=self.method, **({'copy_len': self.copy_len} if self.copy_len else {}))
-    kwargs = dict(
-      method=self.method,
-      budget=self.budget,
-      width=self.width,
-      tree_algorithm=self.algorithm or 'accum_logp',
-    )
-    if self.method == 'jetspecpp':
-      kwargs.update(recycle=self.recycle, refine_passes=self.refine_passes)
-    if self.copy_len:
-      kwargs.update(copy_len=self.copy_len)
-    return kwargs
+      return f'dspark/{self.head}/threshold{m.threshold:g}'
+    tree = f'{self.head}/{m.algorithm}/{m.budget}'
+    if isinstance(m, js.methods.JetSpecPP):
+      seed = 'recycle' if m.recycle else 'mask'
+      return f'jetspecpp/{tree}/{seed}/passes{m.refine_passes}'
+    return f'{m.name}/{tree}'
 
   def row(self) -> dict:
+    """The setting's name, method, head and every method setting (None where it has none)."""
+    keys = ('budget', 'algorithm', 'verify_length', 'threshold', 'recycle', 'refine_passes')
     return dict(
       setting=self.name,
-      method=self.method,
+      method=self.method.name,
       head=self.head,
-      budget=self.budget,
-      algorithm=self.algorithm,
-      verify_length=self.verify_length,
-      threshold=self.threshold if self.method == 'dspark' else None,
-      recycle=self.recycle if self.method == 'jetspecpp' else None,
-      refine_passes=self.refine_passes if self.method == 'jetspecpp' else None,
-      copy_len=self.copy_len,
+      **{k: getattr(self.method, k, None) for k in keys},
+      copy_len=getattr(self.method, 'copy_len', 0),
     )
 
 
@@ -120,28 +86,26 @@ def head_settings(
   JetSpec++ head one tree per budget, algorithm and ``(recycle, refine_passes)``. Chains and
   trees come once per ``copy_lens`` entry (0: no copy candidates; a tree's budget must exceed
   it)."""
+  m = js.methods
   out = [Setting()]
   for head in heads:
     if (kinds or {}).get(head) == 'dspark':
-      out += [Setting('dspark', head, verify_length=v, threshold=t) for v, t in dspark_verify]
+      out += [Setting(m.DSpark(v, t), head) for v, t in dspark_verify]
       continue
     if (kinds or {}).get(head) == 'jetspecpp':
       out += [
-        Setting('jetspecpp', head, budget, algorithm, width, recycle=r, refine_passes=n, copy_len=c)
-        for algorithm in algorithms
-        for budget in budgets
+        Setting(m.JetSpecPP(b, width, a, copy_len=c, recycle=r, refine_passes=n), head)
+        for a in algorithms
+        for b in budgets
         for r, n in jetspecpp_variants
         for c in copy_lens
-        if budget > c
+        if b > c
       ]
       continue
-    out += [Setting('chain', head, copy_len=c) for c in copy_lens]
-    for algorithm in algorithms:
+    out += [Setting(m.Chain(copy_len=c), head) for c in copy_lens]
+    for a in algorithms:
       out += [
-        Setting('tree', head, budget, algorithm, width, copy_len=c)
-        for budget in budgets
-        for c in copy_lens
-        if budget > c
+        Setting(m.Tree(b, width, a, copy_len=c), head) for b in budgets for c in copy_lens if b > c
       ]
   return out
 
@@ -169,8 +133,8 @@ def measure(
       temperature=temperature,
       seed=seed,
       eos_id=eos_id,
+      method=setting.method,
       **(shapes or {}),
-      **setting.generate_kwargs(),
     )
 
   if warmup:
@@ -296,7 +260,7 @@ def round_cost(
   part reads the state the rounds left, so a JetSpec++ draft is timed with real guesses in its
   slots.
   """
-  round_fn, _ = js.decoding.make_round(target, head, **setting.generate_kwargs())
+  round_fn, _ = setting.method.make_round(target, head)
   sampling = js.rounds.Sampling()
   prompt_len = capacity // 2
   prompts = jnp.ones((batch, prompt_len), jnp.int32)
@@ -306,7 +270,7 @@ def round_cost(
   )
   if hasattr(round_fn, 'init_state'):
     state = round_fn.init_state(head, state)
-  data = js.decoding.round_data_for(target, head, round_fn, batch, capacity)
+  data = setting.method.round_data(target, head, batch, capacity)
   step = jax.jit(lambda s: round_fn(target, head, s, sampling, data)[::-1], donate_argnums=0)
   round_s, state = median_time_carried(step, state, repeats=repeats)
   draft = jax.jit(lambda s: round_fn.draft(target, head, s))

@@ -6,7 +6,7 @@
 
 For every temperature, every prompt is decoded with AR and with each (head, method, budget, tree
 algorithm) setting, in one process, after a compile warm-up per setting. Speedup = AR wall time /
-method wall time on the same prompts and ``max_new_tokens`` (DESIGN.md §6); greedy outputs are
+method wall time on the same prompts and ``max_new_tokens`` (docs/design.md §6); greedy outputs are
 checked identical to AR's. With ``config.peers``, transformers' own ``generate`` (greedy and
 prompt-lookup) decodes the same prompts from the same model file. Writes ``benchmark.json``
 (config, versions, device, per-prompt numbers, aggregates per prompt group), ``benchmark.md`` and
@@ -191,9 +191,9 @@ def run_batches(config, target, heads, prompts, shapes, settings_by_name) -> lis
   rows = []
   names = config.get('batch_settings') or (
     'ar',
-    bench.Setting('tree', config.batch_head, config.batch_budget, width=config.width).name,
+    bench.Setting(js.methods.Tree(config.batch_budget, config.width), config.batch_head).name,
   )
-  tree = bench.Setting('tree', config.batch_head, config.batch_budget, width=config.width)
+  tree = bench.Setting(js.methods.Tree(config.batch_budget, config.width), config.batch_head)
   settings_by_name = dict(settings_by_name, **{tree.name: tree})
   if not config.batch_sizes:
     return rows

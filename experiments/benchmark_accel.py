@@ -26,9 +26,10 @@ from ml_collections import config_flags
 import jetspec_jax as js
 from experiments import bench
 from experiments.bench import median_time, median_time_carried
-from jetspec_jax import decoding, rounds, sharding, verify
+from jetspec_jax import decoding, methods, rounds, sharding, verify
+from jetspec_jax.methods import tree as tree_method
+from jetspec_jax.models import decoder
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.models import qwen3
 
 
 def copy_bandwidth(num_bytes: int, repeats: int) -> float:
@@ -52,9 +53,9 @@ def filled_cache(target, capacity: int, length: int, key):
 
 def prefill_memory(num_tokens: int, cfg=None) -> dict:
   """Compiled temporaries of a batch-1 prefill of ``num_tokens`` (float32, abstract weights)."""
-  cfg = cfg or qwen3.qwen3_8b()
-  params = jax.eval_shape(functools.partial(qwen3.init_params, cfg), jax.random.key(0))
-  target = jax.eval_shape(lambda p: qwen3.Target(cfg=cfg, params=p), params)
+  cfg = cfg or decoder.qwen3_8b()
+  params = jax.eval_shape(functools.partial(decoder.init_params, cfg), jax.random.key(0))
+  target = jax.eval_shape(lambda p: decoder.Target(cfg=cfg, params=p), params)
   prompts = jax.ShapeDtypeStruct((1, num_tokens), jnp.int32)
   lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
   capacity = decoding.bucket(num_tokens + 1)
@@ -71,7 +72,7 @@ def prefill_memory(num_tokens: int, cfg=None) -> dict:
 def forced_choices(tree: js.tree.Tree, accept_length: int):
   """Target "choices" that make acceptance follow each node's first child for ``accept_length``
   steps: realistic work per round, independent of the weights (a ``choose=`` for
-  :func:`jetspec_jax.rounds.speculative_round`; -1 marks "no token")."""
+  :func:`jetspec_jax.methods.tree.speculative_round`; -1 marks "no token")."""
   b, m = tree.tokens.shape
   idx = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
   parents = jnp.where(tree.parents >= 0, tree.parents, m)  # the root and padding: no parent
@@ -84,10 +85,10 @@ def forced_choices(tree: js.tree.Tree, accept_length: int):
 
 def run(config, workdir: str) -> dict:
   dtype = jnp.dtype(config.dtype)
-  cfg = qwen3.PRESETS[config.preset]()
+  cfg = decoder.PRESETS[config.preset]()
   key = jax.random.key(config.seed)
-  params = jax.jit(functools.partial(qwen3.init_params, cfg, dtype=dtype))(key)
-  target = qwen3.Target(cfg=cfg, params=params)
+  params = jax.jit(functools.partial(decoder.init_params, cfg, dtype=dtype))(key)
+  target = decoder.Target(cfg=cfg, params=params)
   taps = tuple(t for t in config.taps if t < cfg.num_hidden_layers)
   head_cfg = dh.config_for_target(
     cfg, num_layers=config.head_layers, block_size=config.block_size, target_layer_ids=taps
@@ -110,7 +111,7 @@ def run(config, workdir: str) -> dict:
     logging.info('%s', rows[-1])
 
   budget = config.round_budget
-  settings = rounds.TreeSettings(budget=budget, width=config.width)
+  settings = methods.Tree(budget=budget, width=config.width)
 
   def forced(tree, logits, key):
     del logits, key
@@ -200,9 +201,9 @@ def run(config, workdir: str) -> dict:
         )
 
         def body(_, state):
-          return rounds.speculative_round(t, h, state, rounds.Sampling(), settings, choose=forced)[
-            0
-          ]
+          return tree_method.speculative_round(
+            t, h, state, rounds.Sampling(), settings, choose=forced
+          )[0]
 
         return jax.lax.fori_loop(0, config.rounds, body, state).cache.lengths
 

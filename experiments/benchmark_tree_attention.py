@@ -42,14 +42,14 @@ def run(config, workdir: str) -> dict:
       plen = jnp.array([prefix], jnp.int32)
       anc = js.testing.random_tree(config.seed, m).ancestor_mask()[None]
       kernel = jax.jit(dispatch.tree_attention)
-      dense_mask = js.qwen3.TailMask(plen, anc).to_dense(m, capacity)
+      dense_mask = js.decoder.TailMask(plen, anc).to_dense(m, capacity)
 
       @jax.jit
       def xla(q, kt, vt, kc, vc, mask, plen=plen):
         slots = plen[:, None] + jnp.arange(kt.shape[1])[None]
         kc = js.kv_cache.write_slots(kc, slots, kt)
         vc = js.kv_cache.write_slots(vc, slots, vt)
-        return js.qwen3.attention_xla(q, kc, vc, mask)
+        return js.decoder.attention_xla(q, kc, vc, mask)
 
       t_kernel = median_time(kernel, q, kt, vt, kc, vc, plen, anc, repeats=config.repeats)
       t_xla = median_time(xla, q, kt, vt, kc, vc, dense_mask, repeats=config.repeats)

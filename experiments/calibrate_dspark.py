@@ -22,7 +22,6 @@ import numpy as np
 from absl import app, flags, logging
 
 import jetspec_jax as js
-from jetspec_jax import dspark
 from jetspec_jax.training import data as data_lib
 from jetspec_jax.training import dspark_calibration
 
@@ -56,10 +55,10 @@ def calibrate(head, target, fit_source, eval_source, num_anchors: int) -> tuple[
   held = dspark_calibration.calibration_records(
     head, target, eval_source, num_anchors=num_anchors, seed=1
   )
-  temps = dspark.fit_temperatures(*fit)
+  temps = dspark_calibration.fit_temperatures(*fit)
   gamma = head.cfg.block_size
-  before = dspark.survival_ece(*held, np.ones(gamma))
-  after = dspark.survival_ece(*held, temps)
+  before = dspark_calibration.survival_ece(*held, np.ones(gamma))
+  after = dspark_calibration.survival_ece(*held, temps)
   logits, accepted, valid = held
   alive = np.cumprod(accepted, axis=1)
   report = dict(

@@ -44,8 +44,8 @@ def run(config, workdir: str = 'runs/demo') -> dict:
   head = js.load_draft_head(config.head, target)
   tok = js.load_tokenizer(model_path)
   print(
-    f'target: {model_path.name} ({js.qwen3.count_params(target.params) / 1e6:.1f}M parameters, '
-    f'{target.cfg.model_type}); JetSpec head: {js.qwen3.count_params(head.params) / 1e6:.1f}M '
+    f'target: {model_path.name} ({js.decoder.count_params(target.params) / 1e6:.1f}M parameters, '
+    f'{target.cfg.model_type}); JetSpec head: {js.decoder.count_params(head.params) / 1e6:.1f}M '
     f'parameters, block {head.cfg.block_size}; {jax.devices()[0].device_kind}'
   )
   prompts = demo_prompts(config, tok)
@@ -55,10 +55,10 @@ def run(config, workdir: str = 'runs/demo') -> dict:
   )
   settings = {
     'ar': bench.Setting(),
-    'chain': bench.Setting('chain', 'jetspec'),
-    'tree': bench.Setting('tree', 'jetspec', config.budget, width=config.width),
+    'chain': bench.Setting(js.methods.Chain(), 'jetspec'),
+    'tree': bench.Setting(js.methods.Tree(config.budget, config.width), 'jetspec'),
     'tree+copy': bench.Setting(
-      'tree', 'jetspec', config.budget, width=config.width, copy_len=config.copy_len
+      js.methods.Tree(config.budget, config.width, copy_len=config.copy_len), 'jetspec'
     ),
   }
   outputs = {

@@ -1,19 +1,18 @@
 """jetspec_jax: lossless speculative decoding by causal parallel tree drafting, in JAX.
 
-The public API (DESIGN.md §4)::
+The public API (docs/design.md §4)::
 
   import jetspec_jax as js
   target = js.load_target(path)
   head = js.load_draft_head(head_path, target)
-  out = js.generate(target, head, prompt_ids, max_new_tokens=256, method='tree')
+  out = js.generate(target, head, prompt_ids, max_new_tokens=256, method=js.methods.Tree(budget=16))
 """
 
 from jetspec_jax import (
   chat_prompts,
   decoding,
-  dspark,
-  jetspecpp,
   kv_cache,
+  methods,
   rounds,
   sharding,
   testing,
@@ -23,7 +22,8 @@ from jetspec_jax import (
 )
 from jetspec_jax.decoding import GenerateOutput, GenerationStats, generate
 from jetspec_jax.kv_cache import KVCache
-from jetspec_jax.models import draft_head, gguf_io, hf_io, qwen3
+from jetspec_jax.models import decoder, draft_head, gguf_io, hf_io
+from jetspec_jax.models.decoder import DecoderConfig, Target
 from jetspec_jax.models.draft_head import DraftHead, DraftHeadConfig
 from jetspec_jax.models.hf_io import (
   CheckpointError,
@@ -32,7 +32,6 @@ from jetspec_jax.models.hf_io import (
   save_draft_head,
   save_target,
 )
-from jetspec_jax.models.qwen3 import Qwen3Config, Target
 from jetspec_jax.tokenizer import Tokenizer, load_tokenizer
 from jetspec_jax.tree import Tree
 
@@ -40,28 +39,27 @@ __version__ = '0.1.0'
 
 __all__ = [
   'CheckpointError',
+  'DecoderConfig',
   'DraftHead',
   'DraftHeadConfig',
   'GenerateOutput',
   'GenerationStats',
   'KVCache',
-  'Qwen3Config',
   'Target',
   'Tokenizer',
   'Tree',
   'chat_prompts',
+  'decoder',
   'decoding',
   'draft_head',
-  'dspark',
   'generate',
   'gguf_io',
   'hf_io',
-  'jetspecpp',
   'kv_cache',
   'load_draft_head',
   'load_target',
   'load_tokenizer',
-  'qwen3',
+  'methods',
   'rounds',
   'save_draft_head',
   'save_target',

@@ -2,7 +2,7 @@
 
 Validates and pads the prompts, then runs one jitted device loop per call
 (:mod:`jetspec_jax.rounds`: prefill, then ``lax.while_loop`` over AR steps or speculative rounds,
-no host sync until the end, DESIGN.md §2) and turns its buffers into :class:`GenerateOutput`.
+no host sync until the end, docs/design.md §2) and turns its buffers into :class:`GenerateOutput`.
 Prompts are right-padded to a power-of-two bucket and the cache capacity is bucketed too, so
 prompts of similar lengths share one compilation.
 """
@@ -17,22 +17,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetspec_jax import dspark as dspark_lib
-from jetspec_jax import jetspecpp as jetspecpp_lib
+from jetspec_jax import methods as methods_lib
 from jetspec_jax import rounds as rounds_lib
 from jetspec_jax import tree as tree_lib
+from jetspec_jax.methods import tree as tree_method
+from jetspec_jax.models import decoder
 from jetspec_jax.models import draft_head as draft_head_lib
-from jetspec_jax.models import qwen3
-from jetspec_jax.rounds import Sampling, TreeSettings
+from jetspec_jax.rounds import Sampling
 
-METHODS = ('ar', 'chain', 'tree', 'dspark', 'jetspecpp')
-# The methods that run exactly one head kind (the others run JetSpec and DFlash heads).
-HEAD_METHODS = {'dspark': 'dspark', 'jetspecpp': 'jetspecpp'}
+# generate's default method (a JetSpec tree of 64 nodes, 7 candidates per depth).
+DEFAULT_METHOD = methods_lib.Tree()
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationStats:
-  """Statistics of one ``generate`` call (DESIGN.md §6).
+  """Statistics of one ``generate`` call (docs/design.md §6).
 
   Attributes:
     tau: ``int32[rounds]`` tokens committed per target forward after prefill (bonus included;
@@ -41,7 +40,7 @@ class GenerationStats:
     new_tokens: tokens returned (the prefill's first token included).
     wall_s: wall time of the call, device work included.
     round_stats: the method's counters summed over this sequence's rounds (JetSpec++: slot
-      guesses fed, checked and correct: :mod:`jetspec_jax.jetspecpp`).
+      guesses fed, checked and correct: :mod:`jetspec_jax.methods.jetspecpp`).
   """
 
   tau: np.ndarray
@@ -98,7 +97,7 @@ def check_sampling(temperature: float, top_p: float, top_k: int, vocab_size: int
 
 
 def _prepare_prompts(
-  target: qwen3.Target,
+  target: decoder.Target,
   prompts,
   max_new_tokens: int,
   extra: int = 0,
@@ -124,7 +123,7 @@ def _prepare_prompts(
       raise ValueError('prompt_ids is empty')
     if not np.issubdtype(ids.dtype, np.integer):
       raise TypeError(f'prompt_ids must be integers, got dtype {ids.dtype}')
-    qwen3.check_token_ids(ids, target.cfg.vocab_size)
+    decoder.check_token_ids(ids, target.cfg.vocab_size)
     arrays.append(ids)
   longest = max(ids.size for ids in arrays)
   needed = longest + max_new_tokens + extra
@@ -151,7 +150,7 @@ def _prepare_prompts(
 
 
 def _prepare_prompt(
-  target: qwen3.Target,
+  target: decoder.Target,
   prompt_ids,
   max_new_tokens: int,
   extra: int = 0,
@@ -234,7 +233,7 @@ def _run_ar(target, prompt_list, key, sampling, max_new_tokens, feature_taps=(),
 
 
 def generate_with_features(
-  target: qwen3.Target,
+  target: decoder.Target,
   prompt_list,
   *,
   feature_taps: tuple[int, ...] = (),
@@ -272,26 +271,17 @@ def generate_with_features(
 
 
 def generate(
-  target: qwen3.Target,
+  target: decoder.Target,
   head: draft_head_lib.DraftHead | None = None,
   prompt_ids=None,
   *,
+  method: methods_lib.Method = DEFAULT_METHOD,
   max_new_tokens: int = 256,
-  method: str = 'tree',
-  budget: int = 64,
-  width: int = 7,
   temperature: float = 0.0,
   top_p: float = 1.0,
   top_k: int = 0,
   seed: int = 0,
   eos_id: int | Iterable[int] | None = None,
-  tree_algorithm: str = 'accum_logp',
-  verify_length: str = 'threshold',
-  threshold: float = 0.5,
-  recycle: bool = True,
-  refine_passes: int = 0,
-  copy_len: int = 0,
-  copy_ngram: int = 4,
   min_prompt_bucket: int = 0,
   min_capacity: int = 0,
 ) -> GenerateOutput | list[GenerateOutput]:
@@ -299,53 +289,44 @@ def generate(
 
   Args:
     target: the target model.
-    head: the draft head (may be None for ``method='ar'``); it must fit the target.
+    head: the draft head (None for :class:`~jetspec_jax.methods.AR`); it must fit the target and
+      be of a kind the method runs.
     prompt_ids: 1-D token ids, or a list of them (a batch of prompts of any lengths: each
       sequence drafts, verifies and stops on its own; the result is then a list).
+    method: a method value (:mod:`jetspec_jax.methods`): ``AR()`` (autoregressive), ``Chain()``
+      (the head's top-1 block verified as a chain, the DFlash baseline), ``Tree(budget, width,
+      algorithm)`` (JetSpec), ``DSpark(verify_length, threshold)`` (a DSpark head's sequential
+      chain, verified up to a confidence-chosen length) or ``JetSpecPP(budget, width, recycle,
+      refine_passes)`` (a JetSpec++ head's tree, its block seeded with the previous round's draft
+      and refined); trees and chains take copy candidates (``copy_len``). Each method's settings
+      are documented on its class; ``methods.from_config`` builds one from a config.
     max_new_tokens: most tokens to return (EOS included).
-    method: ``'ar'`` (autoregressive), ``'chain'`` (the head's top-1 block verified as a chain,
-      the DFlash baseline), ``'tree'`` (JetSpec) or ``'dspark'`` (a DSpark head's sequential
-      chain, verified up to a confidence-chosen length: :mod:`jetspec_jax.dspark`) or
-      ``'jetspecpp'`` (a JetSpec++ head's tree, its block seeded with the previous round's
-      draft and refined: :mod:`jetspec_jax.jetspecpp`).
-    budget: tree nodes per round, root included (``'tree'``, ``'jetspecpp'``).
-    width: candidates per depth (``'tree'``, ``'jetspecpp'``).
     temperature: 0 for greedy; otherwise sample-and-match acceptance (exact).
     top_p: nucleus filtering of the target's distribution when sampling.
     top_k: top-k filtering of the target's distribution when sampling (0: off).
     seed: PRNG seed.
     eos_id: stop token id or a collection of them (e.g. a tokenizer's ``eos_ids``); defaults
       to the target config's ``eos_token_id``.
-    tree_algorithm: ``'accum_logp'`` or ``'top2gap'``.
-    verify_length: ``'dspark'``: ``'threshold'`` (verify up to the first drafted token whose
-      estimated survival is below ``threshold``) or ``'scheduler'`` (the hardware-aware prefix
-      scheduler over the batch, with a rounds-per-second table (draft + verify at each verify
-      width) profiled once on this device: :func:`jetspec_jax.dspark.profile_sps`).
-    threshold: the survival threshold of ``verify_length='threshold'`` (0: verify every token).
-    recycle: ``'jetspecpp'``: seed each block's slots with the previous draft of their positions
-      (False: MASK slots, i.e. the JetSpec round with this head).
-    refine_passes: ``'jetspecpp'``: extra head passes per round, each fed the last pass's trunk.
-    copy_len: ``'chain'``, ``'tree'``, ``'jetspecpp'``: copy candidates, up to this many tokens
-      that followed the latest longest match of the context's suffix, as one more branch
-      (:mod:`jetspec_jax.prompt_lookup`; 0: off, at most the head's depth). They count in
-      ``budget`` (the head's tree gets ``budget - copy_len`` nodes); a chain gets them on top.
-      ``stats.round_stats`` then counts ``copy_nodes`` and ``copy_accepted``.
-    copy_ngram: longest context suffix the copy search matches (1..copy_ngram tokens).
     min_prompt_bucket: pad the prompt to at least this many positions (shared compilations).
     min_capacity: cache capacity of at least this many slots (shared compilations).
 
   Returns:
-    A :class:`GenerateOutput`: the generated tokens (no prompt) and :class:`GenerationStats`.
+    A :class:`GenerateOutput`: the generated tokens (no prompt) and :class:`GenerationStats`
+    (with the method's per-round counters, e.g. copy candidates' ``copy_nodes`` and
+    ``copy_accepted``, in ``stats.round_stats``).
   """
-  if method not in METHODS:
-    raise ValueError(f'method must be one of {METHODS}, got {method!r}')
+  if not isinstance(method, methods_lib.Method):
+    raise TypeError(
+      f'method must be a method value such as js.methods.Tree(budget=16), got {method!r} '
+      '(js.methods.from_config turns a name or a config into one)'
+    )
   check_sampling(temperature, top_p, top_k, target.cfg.vocab_size)
   eos = stop_ids(eos_id, target.cfg.eos_token_id, target.cfg.vocab_size)
   sampling = Sampling(float(temperature), int(top_k), float(top_p), eos)
   key = jax.random.key(seed)
   batch = _is_batch(prompt_ids)
   prompt_list = list(prompt_ids) if batch else [prompt_ids]
-  if method == 'ar':
+  if isinstance(method, methods_lib.AR):
     out, n, _, _, wall = _run_ar(
       target,
       prompt_list,
@@ -358,34 +339,18 @@ def generate(
     results = _collect(out, n, wall, max_new_tokens, eos)
     return results if batch else results[0]
 
-  if head is None:
-    raise ValueError(f'method={method!r} needs a draft head')
+  method.check_head(head)
   draft_head_lib.check_fits_target(head.cfg, target.cfg)
-  bs = head.cfg.block_size
-  for special, kind in HEAD_METHODS.items():
-    if (method == special) != (head.cfg.kind == kind):
-      raise ValueError(
-        f'method={method!r} cannot run a {head.cfg.kind} head '
-        f'(method={special!r} runs exactly the {kind} heads)'
-      )
-  round_fn, overhang = make_round(
-    target,
-    head,
-    method,
-    budget=budget,
-    width=width,
-    tree_algorithm=tree_algorithm,
-    verify_length=verify_length,
-    threshold=threshold,
-    recycle=recycle,
-    refine_passes=refine_passes,
-    copy_len=copy_len,
-    copy_ngram=copy_ngram,
-  )
+  round_fn, overhang = method.make_round(target, head)
   prompts, lengths, capacity = _prepare_prompts(
-    target, prompt_list, max_new_tokens, overhang + bs, min_prompt_bucket, min_capacity
+    target,
+    prompt_list,
+    max_new_tokens,
+    overhang + head.cfg.block_size,
+    min_prompt_bucket,
+    min_capacity,
   )
-  round_data = round_data_for(target, head, round_fn, len(prompt_list), capacity)
+  round_data = method.round_data(target, head, len(prompt_list), capacity)
   start = time.perf_counter()
   out, n, taus, rounds, stats = rounds_lib.speculative_loop(
     target,
@@ -405,59 +370,6 @@ def generate(
   return results if batch else results[0]
 
 
-def make_round(
-  target,
-  head,
-  method: str,
-  *,
-  budget: int = 64,
-  width: int = 7,
-  tree_algorithm: str = 'accum_logp',
-  verify_length: str = 'threshold',
-  threshold: float = 0.5,
-  recycle: bool = True,
-  refine_passes: int = 0,
-  copy_len: int = 0,
-  copy_ngram: int = 4,
-):
-  """The round function of a speculative ``method`` (arguments as :func:`generate`), and how
-  many nodes past the committed prefix one of its rounds may write (``overhang``)."""
-  bs = head.cfg.block_size
-  if method == 'dspark':
-    if copy_len:
-      raise ValueError(f"copy_len={copy_len} is for 'chain', 'tree' and 'jetspecpp' rounds")
-    return dspark_lib.DSparkRound(verify_length, float(threshold)), head.cfg.max_depth + 1
-  if not 0 <= copy_len <= head.cfg.max_depth:
-    raise ValueError(f'{copy_len=} must be in [0, the head depth {head.cfg.max_depth}]')
-  copy = dict(copy_len=int(copy_len), copy_ngram=int(copy_ngram))
-  if method == 'chain':
-    settings = TreeSettings(budget=bs + copy_len, width=1, **copy)
-    return rounds_lib.TreeRound(settings), settings.budget
-  if budget < 1:
-    raise ValueError(f'{budget=} must be >= 1 (it counts the root)')
-  if not 1 <= width <= target.cfg.vocab_size:
-    raise ValueError(f'{width=} must be in [1, vocab_size={target.cfg.vocab_size}]')
-  if tree_algorithm not in tree_lib.TREE_BUILDERS:
-    raise ValueError(
-      f'tree_algorithm must be one of {sorted(tree_lib.TREE_BUILDERS)}, got {tree_algorithm!r}'
-    )
-  settings = TreeSettings(budget=int(budget), width=int(width), algorithm=tree_algorithm, **copy)
-  if method == 'jetspecpp':
-    return jetspecpp_lib.JetSpecPPRound(
-      settings, bool(recycle), int(refine_passes)
-    ), settings.budget
-  return rounds_lib.TreeRound(settings), settings.budget
-
-
-def round_data_for(target, head, round_fn, batch_size: int, capacity: int):
-  """The arrays a round reads (DSpark's scheduler: its rounds-per-second table, profiled once
-  per device, batch and capacity), or None."""
-  if isinstance(round_fn, dspark_lib.DSparkRound) and round_fn.verify_length == 'scheduler':
-    widths = dspark_lib.verify_widths(head.cfg.max_depth)
-    return jnp.asarray(dspark_lib.profile_sps(target, batch_size, capacity, widths, head=head))
-  return None
-
-
 class RoundTrace(NamedTuple):
   """One speculative round, kept whole for inspection (notebooks, debugging)."""
 
@@ -470,27 +382,30 @@ class RoundTrace(NamedTuple):
 
 
 def trace_first_round(
-  target: qwen3.Target,
+  target: decoder.Target,
   head: draft_head_lib.DraftHead,
   prompt_ids,
   *,
-  budget: int = 32,
-  width: int = 4,
-  tree_algorithm: str = 'accum_logp',
+  method: methods_lib.Tree | None = None,
 ) -> RoundTrace:
-  """Prefill and the first greedy :func:`~jetspec_jax.rounds.speculative_round`, with every
-  intermediate: the same round ``generate`` runs, so it commits what ``generate`` commits first.
+  """Prefill and the first greedy :func:`~jetspec_jax.methods.tree.speculative_round` of a tree
+  ``method``, with every intermediate: the same round ``generate`` runs, so it commits what
+  ``generate`` commits first.
   """
   draft_head_lib.check_fits_target(head.cfg, target.cfg)
   prompt, prompt_len, capacity = _prepare_prompt(
-    target, prompt_ids, 1, budget + head.cfg.block_size
+    target, prompt_ids, 1, method.budget + head.cfg.block_size
   )
   sampling = Sampling()
   state = rounds_lib.start_rounds(
     target, head, prompt, prompt_len, jax.random.key(0), capacity=capacity, sampling=sampling
   )
-  settings = TreeSettings(budget=budget, width=width, algorithm=tree_algorithm)
-  _, out = rounds_lib.speculative_round(target, head, state, sampling, settings)
+  method = method or methods_lib.Tree(budget=32, width=4)
+  if method.copy_len:
+    raise ValueError("trace_first_round traces the head's own tree (copy_len=0)")
+  method.check_head(head)
+  method.make_round(target, head)
+  _, out = tree_method.speculative_round(target, head, state, sampling, method)
   tau = int(out.tau[0])
   return RoundTrace(
     jax.tree.map(lambda x: x[0], out.tree),

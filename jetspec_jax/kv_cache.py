@@ -4,7 +4,7 @@ Layout: one K and one V array per layer, each ``[B, S, K, H]`` at a static capac
 post-RoPE keys. ``lengths[B]`` counts the committed slots of each sequence. Slot ``s`` of a
 committed sequence holds the token at absolute position ``s``; a tree verify writes its ``M`` nodes
 to slots ``P .. P+M-1`` and :func:`commit_path` then moves the accepted path down to ``P .. P+acc``
-(spec §E.6), so the committed part stays contiguous.
+(docs/methods.md §2), so the committed part stays contiguous.
 
 Writes go to explicit slots; a slot ``>= S`` is dropped (that is how padding rows are written
 nowhere).

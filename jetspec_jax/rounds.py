@@ -1,13 +1,13 @@
-"""The device side of generation: prefill, the AR loop, the speculative round and its loop.
+"""The device side of generation that every method shares: prefill, the AR loop, the round state
+and the speculative loop.
 
 Every method runs its whole decode in one jitted function: prefill, then ``lax.while_loop`` over
-steps (AR) or speculative rounds, with no host sync until the end (DESIGN.md §2, "the decode
-loop"). A speculative round is one function of a named :class:`RoundState`, passed to
-:func:`speculative_loop` as a static, hashable ``round_fn``: :class:`TreeRound` runs
-:func:`speculative_round` (JetSpec trees and chains; ``generate``, the trace in notebooks and the
-benchmarks all run it) and :class:`jetspec_jax.dspark.DSparkRound` runs DSpark's, so a new method
-is one new round function (or head kind) plugged into the same loop. The host side (validation,
-padding, outputs) is :mod:`jetspec_jax.decoding`.
+steps (AR) or speculative rounds, with no host sync until the end (docs/design.md §2, "the decode
+loop"). A speculative round is one function of a named :class:`RoundState`: the method value
+itself (:mod:`jetspec_jax.methods`: :class:`~jetspec_jax.methods.Tree`,
+:class:`~jetspec_jax.methods.DSpark`, ...), passed to :func:`speculative_loop` as a static,
+hashable ``round_fn``, so a new method is one new module plugged into the same loop. The host side
+(validation, padding, outputs) is :mod:`jetspec_jax.decoding`.
 """
 
 import dataclasses
@@ -22,15 +22,15 @@ from jetspec_jax import prompt_lookup
 from jetspec_jax import tree as tree_lib
 from jetspec_jax import verify as verify_lib
 from jetspec_jax.kv_cache import KVCache
+from jetspec_jax.models import decoder
 from jetspec_jax.models import draft_head as draft_head_lib
-from jetspec_jax.models import qwen3
 from jetspec_jax.typing import Array, Int
 
 PREFILL_CHUNK = 2048
 
 
 def prefill(
-  target: qwen3.Target,
+  target: decoder.Target,
   prompts,
   prompt_lens,
   capacity: int,
@@ -58,7 +58,7 @@ def prefill(
     tokens = jax.lax.dynamic_slice_in_dim(prompts, start, size, axis=1)
     positions = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32)[None], (b, size))
     slots = jnp.where(positions < prompt_lens[:, None], positions, capacity)
-    mask = qwen3.TailMask(jnp.full((b,), start, jnp.int32)) if size < pb else None
+    mask = decoder.TailMask(jnp.full((b,), start, jnp.int32)) if size < pb else None
     out = target.forward(tokens, cache, positions=positions, slots=slots, mask=mask, taps=taps)
     row = jnp.clip(last_row - start, 0, size - 1)
     last = jnp.take_along_axis(out.hidden, row, axis=1)[:, 0]
@@ -74,7 +74,7 @@ def prefill(
   return cache, target.lm_logits(last).astype(jnp.float32), features
 
 
-def with_features(out: qwen3.ForwardOutput):
+def with_features(out: decoder.ForwardOutput):
   """``[taps | hidden]``: what a head reads and what its teacher's logits come from."""
   return jnp.concatenate([out.taps, out.hidden.astype(out.taps.dtype)], axis=-1)
 
@@ -161,36 +161,6 @@ def ar_loop(
   return out, counts, ((prompt_features, feats) if collect else None)
 
 
-@dataclasses.dataclass(frozen=True)
-class TreeSettings:
-  """Static tree shape: ``budget`` nodes (root included), ``width`` candidates per depth.
-
-  ``copy_len > 0`` adds copy candidates (:mod:`jetspec_jax.prompt_lookup`): up to ``copy_len``
-  tokens that followed the latest longest match (``1..copy_ngram`` tokens) of the context's
-  suffix join the tree as one branch (:func:`jetspec_jax.tree.add_branch`). They count in the
-  budget: the head's tree gets ``budget - copy_len`` nodes.
-  """
-
-  budget: int
-  width: int
-  algorithm: str = 'accum_logp'
-  copy_len: int = 0
-  copy_ngram: int = 4
-
-  def __post_init__(self):
-    if self.copy_len < 0 or self.copy_ngram < 1:
-      raise ValueError(f'{self.copy_len=} must be >= 0 and {self.copy_ngram=} >= 1')
-    if self.budget - self.copy_len < 1:
-      raise ValueError(
-        f'budget={self.budget} leaves no node for the head after copy_len={self.copy_len} '
-        '(the root counts)'
-      )
-
-  @property
-  def stat_names(self) -> tuple[str, ...]:
-    return COPY_STATS if self.copy_len else ()
-
-
 @flax.struct.dataclass
 class RoundState:
   """What a speculative round carries to the next, for ``B`` sequences.
@@ -204,7 +174,7 @@ class RoundState:
     key: PRNG key.
     guesses: JetSpec++ only: ``int32[B, D]`` the last draft's tokens (its rank-1 trunk) at
       depths ``1..D`` of the last block, anchored ``num_pending`` positions before ``anchor``
-      (:mod:`jetspec_jax.jetspecpp`); None for other rounds.
+      (:mod:`jetspec_jax.methods.jetspecpp`); None for other rounds.
     history: ``int32[B, S]`` committed tokens ``x[0..P]`` (prompt, then every committed token),
       for rounds with copy candidates; None for other rounds.
   """
@@ -250,15 +220,11 @@ class RoundOutput:
   stats: dict | None = None
 
 
-# Per-round counters of a round with copy candidates: nodes the copy branch added to the tree,
-# and how many of them were accepted (drafts the head's own tree did not hold).
-COPY_STATS = ('copy_nodes', 'copy_accepted')
-
 Choose = Callable[[tree_lib.Tree, Array, jax.Array], Array]
 
 
 def start_rounds(
-  target: qwen3.Target,
+  target: decoder.Target,
   head: draft_head_lib.DraftHead,
   prompts: Int[Array, 'B P'],
   prompt_lens: Int[Array, ' B'],
@@ -288,122 +254,6 @@ def start_rounds(
   )
 
 
-def speculative_round(
-  target: qwen3.Target,
-  head: draft_head_lib.DraftHead,
-  state: RoundState,
-  sampling: Sampling,
-  tree_settings: TreeSettings,
-  choose: Choose | None = None,
-) -> tuple[RoundState, RoundOutput]:
-  """One JetSpec round: draft -> tree -> verify -> accept -> commit (DESIGN.md §5).
-
-  ``choose(tree, logits, key) -> int32[B, M]`` gives the target's token at every node; by default
-  it samples the verified logits with ``sampling`` (greedy: argmax). Anything else (a benchmark
-  forcing a fixed acceptance) is passed in, never built into the round.
-  """
-  draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
-  draft_logits = head.propose_cached(target, draft_cache, state.anchor)  # [B, depth, V]
-  return verify_tree_round(
-    target, head, state, draft_cache, draft_logits, sampling, tree_settings, choose
-  )
-
-
-def verify_tree_round(
-  target: qwen3.Target,
-  head: draft_head_lib.DraftHead,
-  state: RoundState,
-  draft_cache: KVCache,
-  draft_logits: Array,
-  sampling: Sampling,
-  tree_settings: TreeSettings,
-  choose: Choose | None = None,
-) -> tuple[RoundState, RoundOutput]:
-  """The rest of a tree round, from the per-depth ``draft_logits [B, D, V]``: tree -> verify ->
-  accept -> commit. ``draft_cache`` already holds the committed context's features."""
-  max_depth = head.cfg.max_depth
-  tree, from_copy = draft_tree(draft_logits, state, tree_settings)
-  anc = jax.vmap(lambda p: tree_lib.ancestor_mask(p, max_depth))(tree.parents)
-  verified = verify_lib.verify_tree(target, state.cache, tree, anc, head.cfg.target_layer_ids)
-  key, sub = jax.random.split(state.key)
-  if choose is None:
-    choices = sampling.sample(verified.logits, sub)  # [B, M]
-  else:
-    choices = choose(tree, verified.logits, sub)
-  accepted = verify_lib.accept(tree, anc, choices, max_depth)
-  bonus = jnp.maximum(accepted.bonus, 0)  # a chooser may mark "no token" with -1
-  cache = verify_lib.commit(verified.cache, state.cache.lengths, accepted._replace(bonus=bonus))
-  pending = verify_lib.gather_path(verified.features, accepted.path)
-  path_tokens = jnp.take_along_axis(tree.tokens, accepted.path, axis=1)  # [B, D+1], root first
-  committed = jnp.concatenate([path_tokens[:, 1:], jnp.zeros_like(bonus)[:, None]], axis=1)
-  rows = jnp.arange(bonus.shape[0])
-  committed = committed.at[rows, accepted.num_accepted].set(bonus)
-  tau = accepted.num_accepted + 1
-  stats = None
-  if from_copy is not None:
-    on_path = jnp.arange(max_depth + 1)[None] <= accepted.num_accepted[:, None]
-    stats = dict(
-      copy_nodes=jnp.sum(from_copy, axis=1, dtype=jnp.int32),
-      copy_accepted=jnp.sum(
-        jnp.take_along_axis(from_copy, accepted.path, axis=1) & on_path, axis=1, dtype=jnp.int32
-      ),
-    )
-  new_state = state.replace(
-    cache=cache,
-    draft_cache=draft_cache,
-    pending=pending,
-    num_pending=tau,
-    anchor=bonus,
-    key=key,
-  )
-  out = RoundOutput(committed, tau, tree, anc, choices, accepted.path, draft_logits, stats=stats)
-  return new_state, out
-
-
-def draft_tree(
-  draft_logits: Array, state: RoundState, settings: TreeSettings
-) -> tuple[tree_lib.Tree, Array | None]:
-  """The round's trees ``[B, budget]`` from per-depth logits ``[B, D, V]``, and with copy
-  candidates (``settings.copy_len > 0``) which nodes they added (``bool[B, budget]``)."""
-  ids, logprobs = tree_lib.topk_per_depth(draft_logits, settings.width)
-  head_budget = settings.budget - settings.copy_len
-  builder = functools.partial(tree_lib.TREE_BUILDERS[settings.algorithm], budget=head_budget)
-  tree = jax.vmap(lambda i, lp, a: builder(i, lp, anchor=a))(ids, logprobs, state.anchor)
-  if not settings.copy_len:
-    return tree, None
-  if state.history is None:
-    raise ValueError('copy candidates need RoundState.history (start_rounds(keep_history=True))')
-  tree = tree_lib.pad(tree, settings.copy_len)
-  lookup = functools.partial(
-    prompt_lookup.continuation, max_ngram=settings.copy_ngram, length=settings.copy_len
-  )
-  tokens, count, _ = jax.vmap(lookup)(state.history, state.cache.lengths)
-  return jax.vmap(tree_lib.add_branch)(tree, tokens, count)
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeRound:
-  """A JetSpec (or chain) round as a static, hashable round function of the loop."""
-
-  settings: TreeSettings
-
-  @property
-  def stat_names(self) -> tuple[str, ...]:
-    return self.settings.stat_names
-
-  @property
-  def keeps_history(self) -> bool:
-    return self.settings.copy_len > 0
-
-  def __call__(self, target, head, state, sampling, round_data=None):
-    return speculative_round(target, head, state, sampling, self.settings)
-
-  def draft(self, target, head, state):
-    """The head's part of a round alone (its cost is the round's draft share)."""
-    draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
-    return head.propose_cached(target, draft_cache, state.anchor)
-
-
 @functools.partial(jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling', 'round_fn'))
 def speculative_loop(
   target,
@@ -430,7 +280,7 @@ def speculative_loop(
     round_fn: ``round_fn(target, head, state, sampling, round_data) -> (state, RoundOutput)``,
       optionally with ``init_state(head, state) -> state``, ``stat_names`` (the counters of
       its ``RoundOutput.stats``) and ``keeps_history`` (it reads :attr:`RoundState.history`),
-      static and hashable (:class:`TreeRound`, :class:`jetspec_jax.dspark.DSparkRound`).
+      static and hashable: a method value (:mod:`jetspec_jax.methods`).
 
   Returns:
     (tokens ``[B, max_new_tokens + max_depth + 1]``, counts ``[B]``, tau per round

@@ -7,17 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import tree as tree_lib
-from jetspec_jax.models import qwen3
+from jetspec_jax.models import decoder
 from jetspec_jax.models.draft_head import random_draft_head  # noqa: F401  (a shared fixture)
 
 
 def tiny_target(
   seed: int = 0, *, moe: bool = False, dtype=jnp.float32, **overrides
-) -> qwen3.Target:
+) -> decoder.Target:
   """A random tiny Qwen3 (or Qwen3-MoE) target; ``overrides`` change config fields."""
-  cfg = qwen3.tiny_moe(**overrides) if moe else qwen3.tiny(**overrides)
-  params = qwen3.init_params(cfg, jax.random.key(seed), dtype)
-  return qwen3.Target(cfg=cfg, params=params)
+  cfg = decoder.tiny_moe(**overrides) if moe else decoder.tiny(**overrides)
+  params = decoder.init_params(cfg, jax.random.key(seed), dtype)
+  return decoder.Target(cfg=cfg, params=params)
 
 
 def random_ids(seed: int, shape, vocab_size: int) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Draft trees on device: best-first construction from per-depth top-W candidates (spec §D).
+"""Draft trees on device: best-first construction from per-depth top-W candidates
+(docs/methods.md §1).
 
 A :class:`Tree` is a set of fixed-size arrays of length ``budget`` (a static shape); entries at or
 past ``num_nodes`` are padding. Node 0 is the root (the anchor, depth 0); nodes are in creation
@@ -93,7 +94,7 @@ def build_with_caps(
   anchor: int | Array = 0,
   min_children: int = 1,
 ) -> Tree:
-  """Best-first tree with at most ``caps[d]`` children per depth-``d`` parent (spec §D.2).
+  """Best-first tree with at most ``caps[d]`` children per depth-``d`` parent (docs/methods.md §1).
 
   Repeatedly pops the unexpanded node with the highest cumulative score (ties: the earliest
   created, i.e. first-in-first-out) and appends its children in rank order,
@@ -189,7 +190,7 @@ def accum_logp(
 def top2gap_caps(
   topk_logprobs: Float[Array, 'depth W'], *, beta: float = 1.0, gap0: float = 1.0
 ) -> Int[Array, ' depth']:
-  """Per-depth fan-out ``max(1, round(W * sigmoid(-beta * (gap - gap0))))`` (spec §D.4).
+  """Per-depth fan-out ``max(1, round(W * sigmoid(-beta * (gap - gap0))))`` (docs/methods.md §1).
 
   ``gap = lp[d, 0] - lp[d, 1]``: confident depths collapse to a chain, uncertain ones fan out.
   """

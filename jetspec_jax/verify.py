@@ -1,4 +1,4 @@
-"""One-pass tree verification and lossless acceptance (spec §E).
+"""One-pass tree verification and lossless acceptance (docs/methods.md §2).
 
 The target runs once over all tree nodes: node ``j`` sits at position ``P + depth[j]``, is written
 to cache slot ``P + j``, and attends to every committed slot ``< P`` plus its ancestors-or-self in
@@ -10,8 +10,8 @@ Acceptance walks from the root:
 * sampled (``T > 0``): draw one target sample at every node (after temperature / top-k / top-p),
   follow the child equal to the parent's sample, and stop where none is; the sample at the last
   node is the bonus. Each committed token is an exact target sample given its prefix, so the
-  output distribution is the target's (sample-and-match, spec §E.5; *not* ``min(1, p/q)``, which
-  is invalid for deterministic top-k drafts).
+  output distribution is the target's (sample-and-match, docs/methods.md §2; *not*
+  ``min(1, p/q)``, which is invalid for deterministic top-k drafts).
 """
 
 from typing import NamedTuple
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jetspec_jax import kv_cache as kv_lib
 from jetspec_jax import tree as tree_lib
-from jetspec_jax.models import qwen3
+from jetspec_jax.models import decoder
 from jetspec_jax.typing import Array, Bool, Float, Int
 
 
@@ -38,7 +38,7 @@ class Accepted(NamedTuple):
 
 
 def verify_tree(
-  target: qwen3.Target,
+  target: decoder.Target,
   cache: kv_lib.KVCache,
   tree: tree_lib.Tree,
   anc: Bool[Array, 'B M M'],
@@ -49,7 +49,7 @@ def verify_tree(
   m = tree.tokens.shape[-1]
   positions = start[:, None] + tree.depths
   slots = start[:, None] + jnp.arange(m, dtype=jnp.int32)[None]
-  mask = qwen3.TailMask(start, anc)
+  mask = decoder.TailMask(start, anc)
   out = target.forward(tree.tokens, cache, positions=positions, slots=slots, mask=mask, taps=taps)
   # The compute dtype's logits: argmax needs no float32 copy of every node's [V] row (sampling
   # casts what it uses).
@@ -123,7 +123,7 @@ def accept(
 
 
 def commit(cache: kv_lib.KVCache, start: Int[Array, ' B'], accepted: Accepted) -> kv_lib.KVCache:
-  """Moves the accepted path's K/V rows to ``start .. start+acc`` (spec §E.6)."""
+  """Moves the accepted path's K/V rows to ``start .. start+acc`` (docs/methods.md §2)."""
   return kv_lib.commit_path(cache, start, accepted.path, accepted.num_accepted)
 
 

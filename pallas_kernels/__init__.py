@@ -1,1 +1,1 @@
-"""Pallas kernels, each with a pure-jnp ``*_reference`` (DESIGN.md §2, kernels)."""
+"""Pallas kernels, each with a pure-jnp ``*_reference`` (docs/design.md §2, kernels)."""

@@ -31,4 +31,6 @@ def prompts():
 @pytest.fixture(scope='module')
 def ar_outputs(target, prompts):
   """Greedy AR outputs of ``prompts``, 30 tokens: what every lossless method must reproduce."""
-  return [js.generate(target, None, p, max_new_tokens=30, method='ar').tokens for p in prompts]
+  return [
+    js.generate(target, None, p, max_new_tokens=30, method=js.methods.AR()).tokens for p in prompts
+  ]

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+import jetspec_jax as js
 from experiments import bench
 from jetspec_jax.decoding import GenerateOutput, GenerationStats
 
@@ -24,34 +25,36 @@ def test_settings_name_and_validate():
     'tree/jetspec/accum_logp/8',
     'tree/jetspec/accum_logp/16',
   ]
-  assert settings[2].generate_kwargs() == dict(
-    method='tree', budget=8, width=7, tree_algorithm='accum_logp'
-  )
-  with pytest.raises(ValueError, match='method'):
-    bench.Setting('beam', 'jetspec')
-  with pytest.raises(ValueError, match='head'):
-    bench.Setting('ar', 'jetspec')
-  with pytest.raises(ValueError, match='head'):
-    bench.Setting('chain')
-  with pytest.raises(ValueError, match='budget'):
+  assert settings[2].method == js.methods.Tree(budget=8, width=7, algorithm='accum_logp')
+  with pytest.raises(TypeError, match='method value'):
     bench.Setting('tree', 'jetspec')
+  with pytest.raises(ValueError, match='head'):
+    bench.Setting(js.methods.AR(), 'jetspec')
+  with pytest.raises(ValueError, match='head'):
+    bench.Setting(js.methods.Chain())
   dspark = bench.head_settings(
-    ['jetspec', 'ds'],
+    ['jetspec', 'ds', 'pp'],
     budgets=(8,),
     algorithms=('accum_logp',),
-    kinds=dict(jetspec='jetspec', ds='dspark'),
+    kinds=dict(jetspec='jetspec', ds='dspark', pp='jetspecpp'),
     dspark_verify=(('threshold', 0.0), ('threshold', 0.3), ('scheduler', 0.0)),
+    jetspecpp_variants=((True, 1),),
+    copy_lens=(0, 4),
   )
-  assert [s.name for s in dspark][3:] == [
+  assert [s.name for s in dspark][1:] == [
+    'chain/jetspec',
+    'chain/jetspec/copy4',
+    'tree/jetspec/accum_logp/8',
+    'tree/jetspec/accum_logp/8/copy4',
     'dspark/ds/threshold0',
     'dspark/ds/threshold0.3',
     'dspark/ds/scheduler',
+    'jetspecpp/pp/accum_logp/8/recycle/passes1',
+    'jetspecpp/pp/accum_logp/8/recycle/passes1/copy4',
   ]
-  assert dspark[4].generate_kwargs() == dict(
-    method='dspark', verify_length='threshold', threshold=0.3
-  )
-  with pytest.raises(ValueError, match='verify_length'):
-    bench.Setting('dspark', 'ds')
+  assert dspark[6].method == js.methods.DSpark(verify_length='threshold', threshold=0.3)
+  assert dspark[6].row()['threshold'] == 0.3 and dspark[6].row()['budget'] is None
+  assert dspark[-1].row()['copy_len'] == 4 and dspark[-1].row()['refine_passes'] == 1
 
 
 def test_summarize_counts_tau_tokens_and_speedup():

@@ -1,5 +1,6 @@
-"""The lossless invariants of speculative decoding (DESIGN.md §5), and generate's errors."""
+"""The lossless invariants of speculative decoding (docs/design.md §5), and generate's errors."""
 
+import dataclasses
 import functools
 
 import jax
@@ -21,20 +22,20 @@ def heads(target):
 
 
 CASES = [
-  ('chain', 'causal', {}),
-  ('chain', 'bidirectional', {}),
-  ('tree', 'causal', dict(budget=1, width=7)),
-  ('tree', 'causal', dict(budget=2, width=1)),
-  ('tree', 'causal', dict(budget=16, width=3)),
-  ('tree', 'bidirectional', dict(budget=64, width=7)),
-  ('tree', 'causal', dict(budget=255, width=7)),
-  ('tree', 'causal', dict(budget=40, width=5, tree_algorithm='top2gap')),
+  (js.methods.Chain(), 'causal'),
+  (js.methods.Chain(), 'bidirectional'),
+  (js.methods.Tree(budget=1, width=7), 'causal'),
+  (js.methods.Tree(budget=2, width=1), 'causal'),
+  (js.methods.Tree(budget=16, width=3), 'causal'),
+  (js.methods.Tree(budget=64, width=7), 'bidirectional'),
+  (js.methods.Tree(budget=255, width=7), 'causal'),
+  (js.methods.Tree(budget=40, width=5, algorithm='top2gap'), 'causal'),
 ]
 
 
-@pytest.mark.parametrize('method, head_kind, kwargs', CASES)
+@pytest.mark.parametrize('method, head_kind', CASES)
 def test_greedy_speculative_equals_autoregressive(
-  target, heads, prompts, ar_outputs, method, head_kind, kwargs
+  target, heads, prompts, ar_outputs, method, head_kind
 ):
   """Greedy chain/tree output == greedy AR output, token for token, in float32.
 
@@ -43,13 +44,13 @@ def test_greedy_speculative_equals_autoregressive(
   """
   accepted_drafts = 0
   for prompt, want in zip(prompts, ar_outputs):
-    out = js.generate(target, heads[head_kind], prompt, max_new_tokens=30, method=method, **kwargs)
+    out = js.generate(target, heads[head_kind], prompt, max_new_tokens=30, method=method)
     np.testing.assert_array_equal(out.tokens, want)
     assert out.stats.rounds == len(out.stats.tau)
     assert out.stats.tau.sum() >= len(want) - 1  # every token after the first is committed
     assert out.stats.tau.max() <= heads[head_kind].cfg.block_size
     accepted_drafts += int((out.stats.tau - 1).sum())
-  if kwargs.get('budget', 2) > 2:
+  if getattr(method, 'budget', 6) > 2:
     assert accepted_drafts > 0, 'no draft was ever accepted: the commit path went untested'
 
 
@@ -57,19 +58,21 @@ def test_moe_target_lossless():
   target = js.testing.tiny_target(2, moe=True, vocab_size=VOCAB)
   head = js.testing.random_draft_head(target, block_size=5, seed=3)
   prompt = js.testing.random_ids(1, (9,), VOCAB)
-  want = js.generate(target, None, prompt, max_new_tokens=25, method='ar').tokens
-  out = js.generate(target, head, prompt, max_new_tokens=25, method='tree', budget=32, width=4)
+  want = js.generate(target, None, prompt, max_new_tokens=25, method=js.methods.AR()).tokens
+  out = js.generate(
+    target, head, prompt, max_new_tokens=25, method=js.methods.Tree(budget=32, width=4)
+  )
   np.testing.assert_array_equal(out.tokens, want)
   assert out.stats.mean_tau > 1.0
 
 
-@pytest.mark.parametrize('method', ['chain', 'tree'])
+@pytest.mark.parametrize('method', [js.methods.Chain(), js.methods.Tree(budget=32, width=4)])
 def test_eos_stops_like_autoregressive(target, heads, prompts, ar_outputs, method):
   """With an EOS id, output ends at the first EOS exactly where AR's does."""
   prompt, free = prompts[1], ar_outputs[1]
   eos = int(free[7])
   want = free[: int(np.flatnonzero(free == eos)[0]) + 1]
-  ar = js.generate(target, None, prompt, max_new_tokens=30, method='ar', eos_id=eos)
+  ar = js.generate(target, None, prompt, max_new_tokens=30, method=js.methods.AR(), eos_id=eos)
   np.testing.assert_array_equal(ar.tokens, want)
   out = js.generate(
     target,
@@ -78,8 +81,6 @@ def test_eos_stops_like_autoregressive(target, heads, prompts, ar_outputs, metho
     max_new_tokens=30,
     method=method,
     eos_id=eos,
-    budget=32,
-    width=4,
   )
   np.testing.assert_array_equal(out.tokens, want)
 
@@ -99,7 +100,7 @@ def test_rounds_run_without_host_transfers(target, heads, monkeypatch):
       capacity=capacity,
       max_new_tokens=max_new_tokens,
       sampling=rounds.Sampling(),
-      round_fn=rounds.TreeRound(rounds.TreeSettings(budget=16, width=3)),
+      round_fn=js.methods.Tree(budget=16, width=3),
     )
     return jax.jit(loop).lower(target, head, prompt, plen, jax.random.key(0)).compile()
 
@@ -113,18 +114,18 @@ def test_rounds_run_without_host_transfers(target, heads, monkeypatch):
     capacity=capacity,
     max_new_tokens=40,
     sampling=rounds.Sampling(),
-    round_fn=rounds.TreeRound(rounds.TreeSettings(budget=16, width=3)),
+    round_fn=js.methods.Tree(budget=16, width=3),
   )
   assert int(out[3][0]) > 3  # many rounds ran inside that one program
 
-  original = rounds.speculative_round
+  original = js.methods.tree.speculative_round
 
   def chatty_round(*args, **kwargs):
     state, out = original(*args, **kwargs)
     jax.debug.callback(lambda t: None, out.tau)
     return state, out
 
-  monkeypatch.setattr(rounds, 'speculative_round', chatty_round)
+  monkeypatch.setattr(js.methods.tree, 'speculative_round', chatty_round)
   assert js.testing.host_transfer_ops(compiled(41))  # a new shape: traced with the mutation
 
 
@@ -162,7 +163,7 @@ def test_sampled_tree_matches_target_distribution(temperature, top_k, top_p):
     capacity=capacity,
     max_new_tokens=3,
     sampling=sampling,
-    round_fn=rounds.TreeRound(rounds.TreeSettings(budget=12, width=3)),
+    round_fn=js.methods.Tree(budget=12, width=3),
   )
   draw = jax.jit(jax.vmap(lambda k: loop(target, head, prompt, plen, k)[:2]))
   counts = np.zeros(125)
@@ -205,7 +206,7 @@ def test_sampled_tree_over_several_rounds_and_two_rows():
     capacity=capacity,
     max_new_tokens=4,
     sampling=rounds.Sampling(1.0),
-    round_fn=rounds.TreeRound(rounds.TreeSettings(budget=4, width=2)),
+    round_fn=js.methods.Tree(budget=4, width=2),
   )
   draw = jax.jit(jax.vmap(lambda k: loop(target, head, prompts, lengths, k)))
   counts = np.zeros((2, 625))
@@ -240,11 +241,15 @@ def test_bad_arguments(target, heads):
   head = heads['causal']
   prompt = [1, 2, 3]
   with pytest.raises(ValueError, match='budget=0 must be >= 1'):
-    js.generate(target, head, prompt, budget=0)
+    js.methods.Tree(budget=0)
   with pytest.raises(ValueError, match='width=18 must be in'):
-    js.generate(target, head, prompt, width=18)
-  with pytest.raises(ValueError, match="method='tree' needs a draft head"):
+    js.generate(target, head, prompt, method=js.methods.Tree(width=18))
+  with pytest.raises(ValueError, match=r'Tree\(budget=64, .*\) needs a draft head'):
     js.generate(target, None, prompt)
+  with pytest.raises(TypeError, match='method must be a method value'):
+    js.generate(target, head, prompt, method='tree')
+  with pytest.raises(ValueError, match='cannot run a jetspec head'):
+    js.generate(target, head, prompt, method=js.methods.DSpark())
   with pytest.raises(ValueError, match='exceeds the model context'):
     js.generate(target, head, np.ones(500, np.int32), max_new_tokens=8)
   other = js.testing.tiny_target(0, vocab_size=19)
@@ -252,9 +257,9 @@ def test_bad_arguments(target, heads):
     js.generate(other, head, prompt)
   with pytest.raises(ValueError, match='top_p'):
     js.generate(target, head, prompt, temperature=1.0, top_p=0.0)
-  with pytest.raises(ValueError, match='tree_algorithm'):
-    js.generate(target, head, prompt, tree_algorithm='beam')
-  for method in ('ar', 'tree'):
+  with pytest.raises(ValueError, match='algorithm'):
+    js.methods.Tree(algorithm='beam')
+  for method in (js.methods.AR(), js.methods.Tree()):
     for bad in (float('nan'), float('inf'), -1.0):
       with pytest.raises(ValueError, match='must be finite and >= 0'):
         js.generate(target, head, prompt, method=method, temperature=bad)
@@ -277,8 +282,10 @@ def test_bad_arguments(target, heads):
 def test_trace_first_round_matches_generate(target, heads):
   head = heads['causal']
   prompt = js.testing.random_ids(3, (9,), VOCAB)
-  trace = decoding.trace_first_round(target, head, prompt, budget=16, width=3)
-  out = js.generate(target, head, prompt, max_new_tokens=20, method='tree', budget=16, width=3)
+  trace = decoding.trace_first_round(target, head, prompt, method=js.methods.Tree(16, 3))
+  out = js.generate(
+    target, head, prompt, max_new_tokens=20, method=js.methods.Tree(budget=16, width=3)
+  )
   committed = [int(trace.tree.tokens[i]) for i in trace.path[1:]] + [trace.bonus]
   assert out.stats.tau[0] == len(committed)
   np.testing.assert_array_equal(out.tokens[1 : 1 + len(committed)], committed)
@@ -312,16 +319,16 @@ def test_round_takes_a_chooser(target, heads):
   state = rounds.start_rounds(
     target, head, prompt, plen, jax.random.key(0), capacity=capacity, sampling=greedy
   )
-  settings = rounds.TreeSettings(budget=24, width=1)  # a chain: deep enough for 3
+  settings = js.methods.Tree(budget=24, width=1)  # a chain: deep enough for 3
 
   def forced(tree, logits, key):
     return forced_choices(tree, 3)
 
-  _, out = rounds.speculative_round(target, head, state, greedy, settings, choose=forced)
+  _, out = js.methods.tree.speculative_round(target, head, state, greedy, settings, choose=forced)
   assert int(out.tau[0]) == 4
-  _, out = rounds.speculative_round(target, head, state, greedy, settings)
+  _, out = js.methods.tree.speculative_round(target, head, state, greedy, settings)
   want = js.generate(
-    target, head, np.arange(1, 8), max_new_tokens=8, method='tree', budget=24, width=1
+    target, head, np.arange(1, 8), max_new_tokens=8, method=js.methods.Tree(budget=24, width=1)
   )
   tau = int(out.tau[0])
   assert tau == want.stats.tau[0]
@@ -329,23 +336,27 @@ def test_round_takes_a_chooser(target, heads):
 
 
 @pytest.mark.parametrize(
-  'method, kwargs', [('ar', {}), ('chain', {}), ('tree', dict(budget=24, width=4))]
+  'method', [js.methods.AR(), js.methods.Chain(), js.methods.Tree(budget=24, width=4)]
 )
-def test_batched_generation_equals_each_sequence_alone(target, heads, method, kwargs):
+def test_batched_generation_equals_each_sequence_alone(target, heads, method):
   """B > 1 with mixed prompt lengths and an early EOS: each row == its own ar output."""
   prompts = [js.testing.random_ids(40 + i, (n,), VOCAB) for i, n in enumerate((3, 17, 8, 1))]
-  alone = [js.generate(target, None, p, max_new_tokens=20, method='ar').tokens for p in prompts]
+  alone = [
+    js.generate(target, None, p, max_new_tokens=20, method=js.methods.AR()).tokens for p in prompts
+  ]
   eos = int(alone[2][4])  # ends sequence 2 early (and any other that produces it)
   want = [
-    js.generate(target, None, p, max_new_tokens=20, method='ar', eos_id=eos).tokens for p in prompts
+    js.generate(target, None, p, max_new_tokens=20, method=js.methods.AR(), eos_id=eos).tokens
+    for p in prompts
   ]
   assert len(want[2]) <= 5
-  head = None if method == 'ar' else heads['causal']
-  outs = js.generate(target, head, prompts, max_new_tokens=20, method=method, eos_id=eos, **kwargs)
+  is_ar = isinstance(method, js.methods.AR)
+  head = None if is_ar else heads['causal']
+  outs = js.generate(target, head, prompts, max_new_tokens=20, method=method, eos_id=eos)
   assert isinstance(outs, list) and len(outs) == 4
   for out, w in zip(outs, want):
     np.testing.assert_array_equal(out.tokens, w)
-    if method != 'ar':
+    if not is_ar:
       assert out.stats.tau.sum() >= len(w) - 1 and out.stats.rounds == len(out.stats.tau)
 
 
@@ -374,6 +385,36 @@ def test_lossless_with_a_large_cache_and_tiled_attention(target, heads, prompts,
   tiles): outputs are unchanged."""
   for prompt, want in zip(prompts[:2], ar_outputs[:2]):
     out = js.generate(
-      target, heads['causal'], prompt, max_new_tokens=30, budget=16, width=3, min_capacity=512
+      target,
+      heads['causal'],
+      prompt,
+      max_new_tokens=30,
+      method=js.methods.Tree(budget=16, width=3),
+      min_capacity=512,
     )
     np.testing.assert_array_equal(out.tokens, want)
+
+
+def test_a_new_method_plugs_in_without_touching_the_library(target, heads, prompts, ar_outputs):
+  """A method defined outside the package (a chain of half the block) registers by its name,
+  builds from a config and runs through generate, losslessly."""
+
+  @dataclasses.dataclass(frozen=True)
+  class HalfChain(js.methods.Method):
+    name = 'half_chain_test'
+    head_kinds = ('jetspec',)
+
+    def make_round(self, target, head):
+      tree = js.methods.Tree(budget=head.cfg.block_size // 2, width=1)
+      return tree.make_round(target, head)
+
+  try:
+    method = js.methods.from_config({'name': 'half_chain_test'})
+    assert isinstance(method, HalfChain)
+    out = js.generate(target, heads['causal'], prompts[0], max_new_tokens=30, method=method)
+    np.testing.assert_array_equal(out.tokens, ar_outputs[0])
+    assert out.stats.tau.max() <= heads['causal'].cfg.block_size // 2
+    with pytest.raises(ValueError, match='cannot run a dflash head'):
+      js.generate(target, heads['bidirectional'], prompts[0], method=method)
+  finally:
+    del js.methods.REGISTRY['half_chain_test']

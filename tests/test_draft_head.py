@@ -91,7 +91,7 @@ def test_cached_equals_uncached_across_rounds(target):
 
 
 def test_block_mask_picture():
-  cfg = dh.config_for_target(js.qwen3.tiny(), block_size=3)
+  cfg = dh.config_for_target(js.decoder.tiny(), block_size=3)
   ctx, blk = dh.block_mask(cfg, jnp.array([2]), 4)
   mask = np.concatenate([np.asarray(ctx)[0], np.asarray(blk)], axis=1).astype(int)
   np.testing.assert_array_equal(
@@ -208,16 +208,17 @@ def test_propose_rejects_bad_features(target):
 
 
 def test_qwen3_8b_head_has_the_released_parameter_count():
-  """5 layers, taps [1, 9, 17, 25, 33] on Qwen3-8B: 1,048,626,432 parameters (spec §B.1)."""
+  """5 layers, taps [1, 9, 17, 25, 33] on Qwen3-8B: 1,048,626,432 parameters
+  (docs/draft_head.md §1)."""
   cfg = dh.config_for_target(
-    js.qwen3.qwen3_8b(),
+    js.decoder.qwen3_8b(),
     num_layers=5,
     block_size=16,
     target_layer_ids=(1, 9, 17, 25, 33),
     mask_token_id=151669,
   )
   shapes = jax.eval_shape(lambda: dh.init_head_params(cfg, jax.random.key(0), jnp.bfloat16))
-  assert js.qwen3.count_params(shapes) == 1_048_626_432
+  assert js.decoder.count_params(shapes) == 1_048_626_432
 
 
 def test_live_context_attention_equals_dense_and_skips_dead_tiles():

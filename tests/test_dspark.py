@@ -10,7 +10,8 @@ import pytest
 
 import jetspec_jax as js
 from experiments import calibrate_dspark
-from jetspec_jax import decoding, dspark, rounds
+from jetspec_jax import decoding, rounds
+from jetspec_jax.methods import dspark
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import data as data_lib
 from jetspec_jax.training import dspark_calibration
@@ -52,9 +53,7 @@ def test_greedy_dspark_equals_autoregressive(
     head,
     prompts,
     max_new_tokens=30,
-    method='dspark',
-    verify_length=verify_length,
-    threshold=threshold,
+    method=js.methods.DSpark(verify_length=verify_length, threshold=threshold),
   )
   accepted = 0
   for out, want in zip(outs, ar_outputs):
@@ -80,13 +79,13 @@ def test_greedy_scheduler_equals_autoregressive(target, heads, prompts, ar_outpu
     capacity=capacity,
     max_new_tokens=30,
     sampling=rounds.Sampling(),
-    round_fn=dspark.DSparkRound('scheduler'),
+    round_fn=js.methods.DSpark('scheduler'),
   )
   for i, want in enumerate(ar_outputs):
     np.testing.assert_array_equal(np.asarray(out[i, : len(want)]), want)
   assert int(np.asarray(taus).max()) > 1
   profiled = js.generate(
-    target, head, prompts, max_new_tokens=30, method='dspark', verify_length='scheduler'
+    target, head, prompts, max_new_tokens=30, method=js.methods.DSpark(verify_length='scheduler')
   )
   for o, want in zip(profiled, ar_outputs):
     np.testing.assert_array_equal(o.tokens, want)
@@ -97,7 +96,7 @@ def test_eos_stops_like_autoregressive(target, heads, prompts, ar_outputs):
   eos = int(free[7])
   want = free[: int(np.flatnonzero(free == eos)[0]) + 1]
   out = js.generate(
-    target, heads[6], prompt, max_new_tokens=30, method='dspark', eos_id=eos, threshold=0.0
+    target, heads[6], prompt, max_new_tokens=30, method=js.methods.DSpark(threshold=0.0), eos_id=eos
   )
   np.testing.assert_array_equal(out.tokens, want)
 
@@ -111,9 +110,9 @@ def test_verify_length_is_respected(target, heads, prompts):
     target, head, padded, lengths, jax.random.key(0), capacity=capacity, sampling=rounds.Sampling()
   )
   one_round = jax.jit(lambda state, r: r(target, head, state, rounds.Sampling()), static_argnums=1)
-  _, full = one_round(state, dspark.DSparkRound('threshold', 0.0))
+  _, full = one_round(state, js.methods.DSpark('threshold', 0.0))
   assert int(full.verify_len[0]) == 6 and int(full.tau[0]) <= 7
-  _, none = one_round(state, dspark.DSparkRound('threshold', 1.0))
+  _, none = one_round(state, js.methods.DSpark('threshold', 1.0))
   assert int(none.verify_len[0]) == 0 and int(none.tau[0]) == 1
 
 
@@ -157,7 +156,7 @@ def test_sampled_dspark_matches_target_distribution(verify_length, temperature, 
   padded, lengths, capacity = decoding._prepare_prompts(target, rows, 4, extra=16)
   sps = jnp.asarray([1.0, 0.9, 0.85, 0.8], jnp.float32)
   sampling = rounds.Sampling(temperature, top_k, top_p)
-  round_fn = dspark.DSparkRound(verify_length, 0.3)
+  round_fn = js.methods.DSpark(verify_length, 0.3)
   loop = functools.partial(
     rounds.speculative_loop,
     capacity=capacity,
@@ -274,12 +273,12 @@ def test_calibration_lowers_the_ece():
   accepted = rng.random((8000, 4)) < 1 / (1 + np.exp(-logits / 3.0))
   valid = np.ones_like(accepted)
   fit, held = slice(0, 4000), slice(4000, None)
-  temps = dspark.fit_temperatures(logits[fit], accepted[fit], valid[fit])
+  temps = dspark_calibration.fit_temperatures(logits[fit], accepted[fit], valid[fit])
   assert np.all((temps > 2.0) & (temps < 4.5)), temps
-  before = dspark.survival_ece(logits[held], accepted[held], valid[held], np.ones(4))
-  after = dspark.survival_ece(logits[held], accepted[held], valid[held], temps)
+  before = dspark_calibration.survival_ece(logits[held], accepted[held], valid[held], np.ones(4))
+  after = dspark_calibration.survival_ece(logits[held], accepted[held], valid[held], temps)
   assert np.all(after < before / 2), (before, after)
-  assert dspark.expected_calibration_error([0.2, 0.8], [0, 1]) == pytest.approx(0.2)
+  assert dspark_calibration.expected_calibration_error([0.2, 0.8], [0, 1]) == pytest.approx(0.2)
 
 
 def test_calibration_records_and_round_trip(target, heads, tmp_path):
@@ -303,7 +302,7 @@ def test_calibration_records_and_round_trip(target, heads, tmp_path):
   logits, accepted, valid = dspark_calibration.calibration_records(head, target, source)
   assert logits.shape == accepted.shape == valid.shape == (4 * 16, 3)
   assert valid.sum() > 50 and accepted[valid].mean() > 0.2  # the bigram head drafts well
-  temps = dspark.fit_temperatures(logits, accepted, valid)
+  temps = dspark_calibration.fit_temperatures(logits, accepted, valid)
   calibrated = head.replace(calibration=jnp.asarray(temps))
   js.save_draft_head(calibrated, tmp_path / 'head')
   loaded = js.load_draft_head(tmp_path / 'head', target)
@@ -319,17 +318,19 @@ def test_calibration_records_and_round_trip(target, heads, tmp_path):
 def test_wrong_methods_and_settings_are_errors(target, heads, prompts, tmp_path):
   jetspec = js.testing.random_draft_head(target, block_size=4, seed=1)
   with pytest.raises(ValueError, match='cannot run a jetspec head'):
-    js.generate(target, jetspec, prompts[0], max_new_tokens=4, method='dspark')
+    js.generate(target, jetspec, prompts[0], max_new_tokens=4, method=js.methods.DSpark())
   with pytest.raises(ValueError, match='cannot run a dspark head'):
-    js.generate(target, heads[3], prompts[0], max_new_tokens=4, method='tree')
+    js.generate(target, heads[3], prompts[0], max_new_tokens=4, method=js.methods.Tree())
   with pytest.raises(ValueError, match='verify_length'):
-    js.generate(target, heads[3], prompts[0], max_new_tokens=4, method='dspark', verify_length='x')
+    js.methods.DSpark(verify_length='x')
   with pytest.raises(ValueError, match='threshold'):
-    js.generate(target, heads[3], prompts[0], max_new_tokens=4, method='dspark', threshold=1.5)
+    js.methods.DSpark(threshold=1.5)
+  with pytest.raises(ValueError, match='copy_len'):
+    js.methods.from_config(dict(name='dspark', copy_len=4))
   with pytest.raises(ValueError, match='causal=False'):
     dh.config_for_target(target.cfg, causal=True, markov_rank=8)
   with pytest.raises(ValueError, match='must be ascending'):
-    dspark.DSparkRound(widths=(2, 1))
+    js.methods.DSpark(widths=(2, 1))
   prompt, plen, capacity = decoding._prepare_prompt(target, prompts[0], 4, extra=8)
   with pytest.raises(ValueError, match=r'must end at the whole chain, gamma \+ 1 = 4'):
     rounds.speculative_loop(
@@ -341,7 +342,7 @@ def test_wrong_methods_and_settings_are_errors(target, heads, prompts, tmp_path)
       capacity=capacity,
       max_new_tokens=4,
       sampling=rounds.Sampling(),
-      round_fn=dspark.DSparkRound('threshold', 0.0, widths=(1, 2)),
+      round_fn=js.methods.DSpark('threshold', 0.0, widths=(1, 2)),
     )
   js.save_draft_head(heads[3], tmp_path)
   cfg_path = tmp_path / 'config.json'

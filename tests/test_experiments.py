@@ -31,8 +31,10 @@ def test_assets_load_and_shipped_heads_are_lossless():
     assert head.cfg.causal == (name == 'jetspec') and head.cfg.mask_token_id == tok.mask_id
     for _, text in prompts.humaneval_prompts(2):
       ids = tok.encode(text)
-      want = js.generate(target, None, ids, max_new_tokens=24, method='ar').tokens
-      out = js.generate(target, head, ids, max_new_tokens=24, method='tree', budget=16, width=5)
+      want = js.generate(target, None, ids, max_new_tokens=24, method=js.methods.AR()).tokens
+      out = js.generate(
+        target, head, ids, max_new_tokens=24, method=js.methods.Tree(budget=16, width=5)
+      )
       np.testing.assert_array_equal(out.tokens, want)
 
 

@@ -47,7 +47,7 @@ def random_llama_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
   """HF-named float32 tensors of a random model of ``cfg``; norm scales near 1."""
   rng = np.random.default_rng(seed)
   qcfg = js.hf_io.config_from_hf(cfg)
-  shapes = jax.eval_shape(lambda: js.qwen3.init_params(qcfg, jax.random.key(0)))
+  shapes = jax.eval_shape(lambda: js.decoder.init_params(qcfg, jax.random.key(0)))
   zeros = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), shapes)
   tensors = js.hf_io.params_to_hf(zeros, qcfg)
   out = {}
@@ -231,7 +231,8 @@ def test_transformers_peer_decodes_the_same_greedy_tokens(tiny_gguf):
   prompts = [np.arange(3, 12), np.asarray([5, 9, 5, 9, 5, 9, 5])]
   eos = [TINY_LLAMA['vocab_size'] - 1]
   ours = [
-    js.generate(target, None, p, max_new_tokens=12, method='ar', eos_id=eos).tokens for p in prompts
+    js.generate(target, None, p, max_new_tokens=12, method=js.methods.AR(), eos_id=eos).tokens
+    for p in prompts
   ]
   found = peers.transformers_generate(str(path), prompts, max_new_tokens=12, eos_ids=eos)
   assert set(found) == set(peers.MODES)

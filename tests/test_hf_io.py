@@ -144,7 +144,7 @@ def test_unsupported_architecture(saved, tmp_path):
 
 
 def test_config_reads_legacy_rope_theta():
-  hf = hf_io.config_to_hf(js.qwen3.tiny())
+  hf = hf_io.config_to_hf(js.decoder.tiny())
   del hf['rope_parameters']
   hf['rope_theta'] = 12345.0
   assert hf_io.config_from_hf(hf).rope_theta == 12345.0

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import jetspec_jax as js
-from jetspec_jax import decoding, jetspecpp, rounds
+from jetspec_jax import decoding, rounds
+from jetspec_jax.methods import jetspecpp
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import blocks as blocks_lib
 from jetspec_jax.training import data as data_lib
@@ -44,11 +45,9 @@ def test_greedy_jetspecpp_equals_autoregressive(
     heads[block_size],
     prompts,
     max_new_tokens=30,
-    method='jetspecpp',
-    budget=budget,
-    width=width,
-    recycle=recycle,
-    refine_passes=refine_passes,
+    method=js.methods.JetSpecPP(
+      budget=budget, width=width, recycle=recycle, refine_passes=refine_passes
+    ),
   )
   totals = dict.fromkeys(jetspecpp.STAT_NAMES, 0)
   for out, want in zip(outs, ar_outputs):
@@ -65,15 +64,20 @@ def test_greedy_jetspecpp_equals_autoregressive(
 
 def test_eos_stops_like_autoregressive(target, heads, prompts, ar_outputs):
   eos = int(ar_outputs[1][7])
-  want = js.generate(target, None, prompts[1], max_new_tokens=30, method='ar', eos_id=eos)
-  got = js.generate(target, heads[6], prompts[1], max_new_tokens=30, method='jetspecpp', eos_id=eos)
+  want = js.generate(
+    target, None, prompts[1], max_new_tokens=30, method=js.methods.AR(), eos_id=eos
+  )
+  got = js.generate(
+    target, heads[6], prompts[1], max_new_tokens=30, method=js.methods.JetSpecPP(), eos_id=eos
+  )
   np.testing.assert_array_equal(got.tokens, want.tokens)
   assert got.tokens[-1] == eos
 
 
 def test_mask_inputs_reproduce_jetspec_exactly(target, heads, prompts):
   """With no guess in any slot the JetSpec++ head is a JetSpec head: the same logits bit for
-  bit, and ``recycle=False`` decodes exactly as ``method='tree'`` with the same backbone."""
+  bit, and ``recycle=False`` decodes exactly as a ``Tree`` of the same shape with the same
+  backbone."""
   head = heads[6]
   plain = dh.DraftHead(
     cfg=dataclasses.replace(head.cfg, refine=False), params=dh.backbone_params(head.params)
@@ -89,9 +93,9 @@ def test_mask_inputs_reproduce_jetspec_exactly(target, heads, prompts):
   np.testing.assert_array_equal(head.propose_cached(target, cache, anchor), want)
   guessed = head.propose_cached(target, cache, anchor, jnp.arange(5, dtype=jnp.int32)[None])
   assert not np.allclose(guessed, want)  # guesses do reach the logits
-  kwargs = dict(max_new_tokens=24, budget=12, width=3)
-  tree = js.generate(target, plain, prompts, method='tree', **kwargs)
-  jpp = js.generate(target, head, prompts, method='jetspecpp', recycle=False, **kwargs)
+  tree = js.generate(target, plain, prompts, max_new_tokens=24, method=js.methods.Tree(12, 3))
+  jpp_method = js.methods.JetSpecPP(budget=12, width=3, recycle=False)
+  jpp = js.generate(target, head, prompts, max_new_tokens=24, method=jpp_method)
   for a, b in zip(tree, jpp):
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.stats.tau, b.stats.tau)
@@ -122,7 +126,7 @@ def test_sampled_jetspecpp_matches_target_distribution(refine_passes):
     capacity=capacity,
     max_new_tokens=4,
     sampling=rounds.Sampling(1.0),
-    round_fn=jetspecpp.JetSpecPPRound(rounds.TreeSettings(budget=5, width=2), True, refine_passes),
+    round_fn=js.methods.JetSpecPP(budget=5, width=2, refine_passes=refine_passes),
   )
   draw = jax.jit(jax.vmap(lambda k: loop(target, head, padded, lengths, k)))
   counts = np.zeros((2, 625))
@@ -347,11 +351,13 @@ def test_save_load_and_errors(target, heads, prompts, tmp_path):
   np.testing.assert_array_equal(loaded.params['draft_embed'], head.params['draft_embed'])
   jetspec = js.testing.random_draft_head(target, block_size=3, seed=1)
   with pytest.raises(ValueError, match='cannot run a jetspec head'):
-    js.generate(target, jetspec, prompts[0], max_new_tokens=4, method='jetspecpp')
+    js.generate(target, jetspec, prompts[0], max_new_tokens=4, method=js.methods.JetSpecPP())
   with pytest.raises(ValueError, match='cannot run a jetspecpp head'):
-    js.generate(target, head, prompts[0], max_new_tokens=4, method='tree')
+    js.generate(target, head, prompts[0], max_new_tokens=4, method=js.methods.Tree())
   with pytest.raises(ValueError, match='refine_passes'):
-    js.generate(target, head, prompts[0], max_new_tokens=4, method='jetspecpp', refine_passes=-1)
+    js.generate(
+      target, head, prompts[0], max_new_tokens=4, method=js.methods.JetSpecPP(refine_passes=-1)
+    )
   with pytest.raises(ValueError, match='only a jetspecpp head'):
     jetspec.propose_cached(
       target, jetspec.make_cache(1, 8), jnp.array([1]), jnp.zeros((1, 2), jnp.int32)

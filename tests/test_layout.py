@@ -1,7 +1,11 @@
-"""The package layers cleanly: no import circle, no project import hidden inside a function."""
+"""The layout: the package layers cleanly (no import circle, no project import hidden inside a
+function), every cited docs/ section exists, and every method is listed once."""
 
 import ast
 import pathlib
+import re
+
+import jetspec_jax as js
 
 ROOT = pathlib.Path(__file__).parent.parent
 PACKAGES = ('jetspec_jax', 'pallas_kernels')
@@ -83,3 +87,65 @@ def test_the_cycle_finder_finds_a_planted_circle():
   planted['jetspec_jax.verify'].add('jetspec_jax.decoding')  # decoding -> rounds -> verify
   cycle = find_cycle(planted)
   assert cycle is not None and 'jetspec_jax.verify' in cycle
+
+
+DOC_REF = re.compile(r'docs/(\w+)\.md(?: §(\d+))?')
+SOURCE_SUFFIXES = ('.py', '.ipynb', '.md')
+
+
+def cited_docs():
+  """``(file, doc, section)`` for every ``docs/<name>.md [§N]`` cited in the sources, notebooks,
+  README and the docs themselves."""
+  files = [
+    p
+    for d in (*PACKAGES, 'experiments', 'tests', 'notebooks', 'docs', 'assets')
+    for p in (ROOT / d).rglob('*')
+    if p.suffix in SOURCE_SUFFIXES
+  ]
+  files.append(ROOT / 'README.md')
+  for path in files:
+    if path.name == 'test_layout.py':  # its own examples
+      continue
+    for m in DOC_REF.finditer(path.read_text()):
+      yield path.relative_to(ROOT), m.group(1), m.group(2)
+
+
+def test_every_cited_doc_section_exists():
+  """A reference ``docs/x.md §N`` names a file in docs/ with a ``## N.`` heading; no source cites
+  a document outside the repository."""
+  refs = list(cited_docs())
+  assert len(refs) > 20  # the sources do cite the docs
+  missing = []
+  for path, doc, section in refs:
+    target = ROOT / 'docs' / f'{doc}.md'
+    if not target.exists():
+      missing.append(f'{path}: docs/{doc}.md')
+    elif section and not re.search(rf'^## {section}\. ', target.read_text(), re.M):
+      missing.append(f'{path}: docs/{doc}.md §{section}')
+  assert missing == []
+  outside = re.compile(r'DESIGN\.md|jetspec_spec\.md|next_methods\.md|\bspec §')
+  stale = [
+    str(p.relative_to(ROOT))
+    for d in (*PACKAGES, 'experiments', 'tests', 'notebooks')
+    for p in (ROOT / d).rglob('*')
+    if p.suffix in SOURCE_SUFFIXES and p.name != 'test_layout.py' and outside.search(p.read_text())
+  ]
+  assert stale == []
+
+
+def test_doc_section_check_catches_a_wrong_section():
+  assert DOC_REF.search('see docs/design.md §9').groups() == ('design', '9')
+  assert not re.search(r'^## 9\. ', (ROOT / 'docs' / 'design.md').read_text(), re.M)
+
+
+def test_every_method_is_listed_once_and_built_from_its_config():
+  """Each module of jetspec_jax/methods/ registers its methods; the package lists every one, and
+  each round-trips through its config."""
+  modules = {p.stem for p in (ROOT / 'jetspec_jax' / 'methods').glob('*.py')} - {'__init__', 'base'}
+  registered = {cls.__module__.rsplit('.', 1)[-1] for cls in js.methods.REGISTRY.values()}
+  assert registered == modules
+  for name, cls in js.methods.REGISTRY.items():
+    assert getattr(js.methods, cls.__name__) is cls and cls.__name__ in js.methods.__all__
+    method = cls()
+    assert js.methods.from_config(method.to_config()) == method
+    assert js.methods.from_config(name) == method

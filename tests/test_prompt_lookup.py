@@ -106,20 +106,18 @@ def heads(target):
 
 
 @pytest.mark.parametrize(
-  'method, head, kwargs',
+  'method, head',
   [
-    ('tree', 'causal', dict(budget=16, width=3, copy_len=4)),
-    ('tree', 'bidirectional', dict(budget=6, width=2, copy_len=5, copy_ngram=1)),
-    ('chain', 'causal', dict(copy_len=5)),
-    ('jetspecpp', 'jetspecpp', dict(budget=12, width=3, copy_len=5)),
+    (js.methods.Tree(budget=16, width=3, copy_len=4), 'causal'),
+    (js.methods.Tree(budget=6, width=2, copy_len=5, copy_ngram=1), 'bidirectional'),
+    (js.methods.Chain(copy_len=5), 'causal'),
+    (js.methods.JetSpecPP(budget=12, width=3, copy_len=5), 'jetspecpp'),
   ],
 )
-def test_greedy_with_copy_equals_autoregressive(
-  target, heads, prompts, ar_outputs, method, head, kwargs
-):
+def test_greedy_with_copy_equals_autoregressive(target, heads, prompts, ar_outputs, method, head):
   """Three rows of different lengths in one batch; the copy branch's drafts are accepted in
   these runs (tiny greedy targets repeat themselves), so its commits are exercised."""
-  outs = js.generate(target, heads[head], prompts, max_new_tokens=30, method=method, **kwargs)
+  outs = js.generate(target, heads[head], prompts, max_new_tokens=30, method=method)
   copied = 0
   for out, want in zip(outs, ar_outputs):
     np.testing.assert_array_equal(out.tokens, want)
@@ -132,7 +130,11 @@ def test_copy_raises_tau_where_the_output_repeats(target, heads, ar_outputs, pro
   """The 23-token prompt's greedy output is one token repeated: copying alone (a budget that
   leaves the head only the root) accepts whole copied chains."""
   out = js.generate(
-    target, heads['causal'], prompts[2], max_new_tokens=30, method='tree', budget=6, copy_len=5
+    target,
+    heads['causal'],
+    prompts[2],
+    max_new_tokens=30,
+    method=js.methods.Tree(budget=6, copy_len=5),
   )
   np.testing.assert_array_equal(out.tokens, ar_outputs[2])
   assert out.stats.tau.max() == 6 and out.stats.mean_tau > 1.5
@@ -146,13 +148,13 @@ def test_sampled_with_copy_matches_target_distribution():
   head = js.testing.random_draft_head(target, block_size=3, seed=6)
   rows = [np.array([1, 3, 1, 3, 0, 2]), np.array([4, 1])]
   prompts, lengths, capacity = decoding._prepare_prompts(target, rows, 4, extra=16)
-  settings = rounds.TreeSettings(budget=4, width=2, copy_len=2, copy_ngram=2)
+  settings = js.methods.Tree(budget=4, width=2, copy_len=2, copy_ngram=2)
   loop = functools.partial(
     rounds.speculative_loop,
     capacity=capacity,
     max_new_tokens=4,
     sampling=rounds.Sampling(1.0),
-    round_fn=rounds.TreeRound(settings),
+    round_fn=settings,
   )
   draw = jax.jit(jax.vmap(lambda k: loop(target, head, prompts, lengths, k)))
   counts = np.zeros((2, 625))
@@ -170,10 +172,12 @@ def test_sampled_with_copy_matches_target_distribution():
 
 def test_bad_copy_settings(target, heads, prompts):
   with pytest.raises(ValueError, match='copy_len=6 must be in'):
-    js.generate(target, heads['causal'], prompts[0], method='chain', copy_len=6)
+    js.generate(target, heads['causal'], prompts[0], method=js.methods.Chain(copy_len=6))
   with pytest.raises(ValueError, match='leaves no node for the head'):
-    js.generate(target, heads['causal'], prompts[0], method='tree', budget=4, copy_len=4)
+    js.generate(target, heads['causal'], prompts[0], method=js.methods.Tree(budget=4, copy_len=4))
   with pytest.raises(ValueError, match='copy_ngram=0'):
-    js.generate(target, heads['causal'], prompts[0], method='tree', copy_len=2, copy_ngram=0)
+    js.generate(
+      target, heads['causal'], prompts[0], method=js.methods.Tree(copy_len=2, copy_ngram=0)
+    )
   with pytest.raises(ValueError, match='no node for the head'):
-    rounds.TreeSettings(budget=3, width=2, copy_len=3)
+    js.methods.Tree(budget=3, width=2, copy_len=3)

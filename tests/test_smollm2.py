@@ -23,8 +23,8 @@ SHIPPED = {
   'jetspecpp': 'assets/jetspecpp_head_smollm2_135m',
 }
 METHODS = {
-  'dspark': dict(method='dspark', threshold=0.1),
-  'jetspecpp': dict(method='jetspecpp', budget=8, width=3),
+  'dspark': js.methods.DSpark(threshold=0.1),
+  'jetspecpp': js.methods.JetSpecPP(budget=8, width=3),
 }
 
 
@@ -37,12 +37,14 @@ def test_shipped_heads_are_lossless_on_a_chat_prompt(smollm2):
   prompt = tok.apply_chat_template(
     [{'role': 'user', 'content': 'Write a Python function that reverses a string.'}]
   )
-  ar = js.generate(target, None, prompt, max_new_tokens=24, method='ar', eos_id=tok.eos_ids)
+  ar = js.generate(
+    target, None, prompt, max_new_tokens=24, method=js.methods.AR(), eos_id=tok.eos_ids
+  )
   assert len(ar.tokens) == 24 and tok.decode(ar.tokens).strip()  # real text, no early stop
   for name, path in SHIPPED.items():
     head = js.load_draft_head(path, target)
     assert head.cfg.kind == name
-    method = METHODS.get(name, dict(budget=8, width=3))
-    tree = js.generate(target, head, prompt, max_new_tokens=24, eos_id=tok.eos_ids, **method)
+    method = METHODS.get(name, js.methods.Tree(budget=8, width=3))
+    tree = js.generate(target, head, prompt, max_new_tokens=24, eos_id=tok.eos_ids, method=method)
     np.testing.assert_array_equal(tree.tokens, ar.tokens)
     assert tree.stats.mean_tau > 1.0, name

@@ -87,10 +87,10 @@ def test_hf_directory_round_trip_and_generation_config_stops(tok, tmp_path):
 def test_generate_accepts_a_collection_of_stop_ids():
   target = js.testing.tiny_target(3)
   prompt = js.testing.random_ids(0, (5,), target.cfg.vocab_size)
-  free = js.generate(target, None, prompt, max_new_tokens=24, method='ar', eos_id=())
+  free = js.generate(target, None, prompt, max_new_tokens=24, method=js.methods.AR(), eos_id=())
   a, b = int(free.tokens[5]), int(free.tokens[9])
   first_stop = min(i for i, t in enumerate(free.tokens) if t in (a, b))
-  out = js.generate(target, None, prompt, max_new_tokens=24, method='ar', eos_id={a, b})
+  out = js.generate(target, None, prompt, max_new_tokens=24, method=js.methods.AR(), eos_id={a, b})
   np.testing.assert_array_equal(out.tokens, free.tokens[: first_stop + 1])
 
 

@@ -245,7 +245,7 @@ def test_data_generation_resumes(target, dataset, tmp_path):
   n = len(prompts[0])
   assert first['loss_mask'][0, :n].sum() == 0 and first['loss_mask'][0, n] == 1
   # The response is the target's own greedy continuation.
-  want = js.generate(target, None, prompts[0], max_new_tokens=30, method='ar').tokens
+  want = js.generate(target, None, prompts[0], max_new_tokens=30, method=js.methods.AR()).tokens
   np.testing.assert_array_equal(first['tokens'][0, n : n + len(want)], want[: 40 - n])
   # Resume: only the missing shard is regenerated, identically.
   copy = tmp_path / 'copy'

@@ -176,10 +176,10 @@ def test_draft_vocabulary_covers_and_rounds():
     dh.draft_vocabulary(counts, 1.5)
 
 
-@pytest.mark.parametrize('method', ['tree', 'dspark'])
+@pytest.mark.parametrize('method', [js.methods.Tree(), js.methods.DSpark()])
 def test_a_draft_vocabulary_head_stays_lossless(target, prompts, ar_outputs, method):
   vocab = jnp.arange(0, VOCAB, 2, dtype=jnp.int32)  # half the ids can never be drafted
-  head = random_head(target, 'dspark' if method == 'dspark' else 'jetspec')
+  head = random_head(target, method.head_kinds[0])
   head = head.replace(draft_vocab=vocab)
   for prompt, want in zip(prompts, ar_outputs):
     out = js.generate(target, head, prompt, max_new_tokens=30, method=method)

@@ -13,7 +13,7 @@ from jetspec_jax import tree as tree_lib
 
 
 def heap_reference(ids, lps, budget, caps=None, anchor=0):
-  """A direct transcription of spec §D.2 with a binary heap and an insertion counter."""
+  """A direct transcription of docs/methods.md §1 with a binary heap and an insertion counter."""
   d_max, w = ids.shape
   caps = [w] * d_max if caps is None else list(caps)
   nodes = [(anchor, -1, 0, 0.0)]  # (token, parent, depth, score)

@@ -204,7 +204,7 @@ def test_target_forward_pallas_equals_xla():
   outs = {}
   for name, t in (('xla', target), ('pallas', pallas)):
     cache = t.forward(jnp.asarray(ids[:1]), t.make_cache(1, 32)).cache
-    mask = js.qwen3.TailMask(cache.lengths, anc)
+    mask = js.decoder.TailMask(cache.lengths, anc)
     out = t.forward(
       tree.tokens[None], cache, positions=12 + tree.depths[None], mask=mask, taps=(0, 2)
     )
@@ -221,10 +221,10 @@ def test_generate_with_pallas_equals_xla(tmp_path):
   assert pallas.attn_impl == 'pallas'
   head = js.testing.random_draft_head(xla, block_size=6, seed=2)
   prompt = js.testing.random_ids(4, (11,), 17)
-  want = js.generate(xla, None, prompt, max_new_tokens=24, method='ar').tokens
-  for method, kwargs in (('ar', {}), ('tree', dict(budget=24, width=4))):
+  want = js.generate(xla, None, prompt, max_new_tokens=24, method=js.methods.AR()).tokens
+  for method in (js.methods.AR(), js.methods.Tree(budget=24, width=4)):
     out = js.generate(
-      pallas, head if method == 'tree' else None, prompt, max_new_tokens=24, method=method, **kwargs
+      pallas, head if method.head_kinds else None, prompt, max_new_tokens=24, method=method
     )
     np.testing.assert_array_equal(out.tokens, want)
   with pytest.raises(ValueError, match='needs a TailMask'):

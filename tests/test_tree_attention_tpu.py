@@ -58,7 +58,7 @@ def test_vmem_footprint_fits_a_v5e_core(preset):
   headroom) stays under 16 MiB for a bf16 prefill chunk of 2048 tokens and a 255-node tree at
   a 32k-slot cache: the tail is streamed in tiles, not loaded whole (whole, a Qwen3-8B chunk's
   K and V tails alone would take 16 MiB double-buffered)."""
-  cfg = js.qwen3.PRESETS[preset]()
+  cfg = js.decoder.PRESETS[preset]()
   heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
   for t, tree in ((2048, False), (255, True), (1, True)):
     lay = tk.layout(t, *heads, 32768, tree=tree, itemsize=2)
@@ -75,7 +75,7 @@ def test_every_head_layout_lowers_to_mosaic():
 def _tree_forward_args(target, m=9, capacity=64):
   tree = js.testing.random_tree(1, m, vocab_size=target.cfg.vocab_size)
   cache = target.make_cache(1, capacity).replace(lengths=jnp.array([20], jnp.int32))
-  mask = js.qwen3.TailMask(cache.lengths, tree.ancestor_mask()[None])
+  mask = js.decoder.TailMask(cache.lengths, tree.ancestor_mask()[None])
   return tree.tokens[None], cache, 20 + tree.depths[None], mask
 
 
@@ -117,8 +117,10 @@ def test_generate_with_the_mosaic_kernel_equals_autoregressive():
   mosaic = target.with_attn_impl('pallas_mosaic')
   head = js.testing.random_draft_head(target, block_size=4, seed=2)
   prompt = js.testing.random_ids(4, (11,), 17)
-  want = js.generate(target, None, prompt, max_new_tokens=12, method='ar').tokens
-  got = js.generate(mosaic, head, prompt, max_new_tokens=12, method='tree', budget=12, width=3)
+  want = js.generate(target, None, prompt, max_new_tokens=12, method=js.methods.AR()).tokens
+  got = js.generate(
+    mosaic, head, prompt, max_new_tokens=12, method=js.methods.Tree(budget=12, width=3)
+  )
   np.testing.assert_array_equal(got.tokens, want)
 
 
@@ -138,7 +140,7 @@ anc = jnp.stack([tree.ancestor_mask()] * 2)
 
 def run(t):
   cache = t.forward(jnp.asarray(ids), t.make_cache(2, 32)).cache
-  mask = js.qwen3.TailMask(cache.lengths, anc)
+  mask = js.decoder.TailMask(cache.lengths, anc)
   out = t.forward(jnp.stack([tree.tokens] * 2), cache, positions=12 + jnp.stack([tree.depths] * 2),
                   mask=mask)
   return np.asarray(t.forward_logits(ids)), np.asarray(t.lm_logits(out.hidden))

@@ -63,5 +63,6 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     log_every=25,
     checkpoint_every=100,
   )
-  config.eval.update(num_prompts=8, max_new_tokens=64, method='tree', budget=32, width=7)
+  config.eval.update(num_prompts=8, max_new_tokens=64)
+  config.eval.method = ml_collections.ConfigDict(dict(name='tree', budget=32, width=7))
   return config

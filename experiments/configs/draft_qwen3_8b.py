@@ -1,4 +1,4 @@
-"""The paper's recipe for a Qwen3-8B JetSpec head (spec §B.1, §C.6).
+"""The paper's recipe for a Qwen3-8B JetSpec head (docs/draft_head.md §1, docs/training.md §7).
 
 Run (multi-GPU or TPU host; data-parallel over every device):
   python -m experiments.generate_data --config=experiments/configs/draft_qwen3_8b.py \
@@ -62,5 +62,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     log_every=50,
     checkpoint_every=2000,
   )
-  config.eval.update(num_prompts=32, max_new_tokens=256, budget=256, width=7)
+  config.eval.update(num_prompts=32, max_new_tokens=256)
+  config.eval.method = ml_collections.ConfigDict(dict(name='tree', budget=256, width=7))
   return config

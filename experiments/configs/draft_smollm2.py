@@ -52,7 +52,7 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       mask_token_id=0,  # '<|endoftext|>': never inside a chat turn, so free to mean MASK
       init_from_target_layers=False,  # start head layers as copies of the target's last layers
       markov_rank=0,
-      refine=False,  # a JetSpec++ head (jetspec_jax/jetspecpp.py)
+      refine=False,  # a JetSpec++ head (jetspec_jax/methods/jetspecpp.py)
       # A reduced draft vocabulary: the most frequent ids of the generated responses covering
       # 99% of them (15,360 of 49,152 on ~2,300 sequences); the head scores only
       # those, and ships the map as EAGLE-3's d2t/t2d. 0: the whole vocabulary.
@@ -106,7 +106,8 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     log_every=25,
     checkpoint_every=100,
   )
-  config.eval.update(num_prompts=8, max_new_tokens=96, method='tree', budget=32, width=7)
+  config.eval.update(num_prompts=8, max_new_tokens=96)
+  config.eval.method = ml_collections.ConfigDict(dict(name='tree', budget=32, width=7))
   # Held-out teacher-forced metrics, logged beside the training ones: the first 32 sequences of
   # greedy/shard_00000 (the first shard of each data directory is never trained on).
   config.eval.update(heldout_shards=1, heldout_sequences=32, heldout_anchors=64, heldout_every=100)
@@ -116,14 +117,15 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     # paper's code; its loss needs the teacher's logits (the stored final hidden states).
     config.head.update(block_size=7, causal=False, markov_rank=256)
     config.train.update(loss='dspark', gamma=4.0)
-    config.eval.update(method='dspark', threshold=0.0)  # chain tau: verify every token
+    # chain tau: verify every token
+    config.eval.method = ml_collections.ConfigDict(dict(name='dspark', threshold=0.0))
   if arg == 'jetspecpp':
     # JetSpec++: the JetSpec head plus draft_embed; each step's 16 blocks per sequence are 8
     # clean blocks and 8 second blocks after them (2 in-round refine passes, 2 noisy-context
     # blocks, 4 next-round refine blocks: head_trainer.second_block_outputs), plus the
     # consistency term on the in-round pairs.
     config.head.update(refine=True)
-    config.eval.update(method='jetspecpp')
+    config.eval.method = ml_collections.ConfigDict(dict(name='jetspecpp', budget=32, width=7))
   if arg == 'tiny':  # a smoke test of the pipeline (tests)
     config.data.update(
       num_instructions=4,

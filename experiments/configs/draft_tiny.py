@@ -63,7 +63,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
   )
   config.eval = ml_collections.ConfigDict(
-    dict(num_prompts=8, max_new_tokens=32, method='tree', budget=16, width=4)
+    dict(num_prompts=8, max_new_tokens=32, method=dict(name='tree', budget=16, width=4))
   )
   if arg == 'runlocal':
     config.data.num_prompts = 32

@@ -1,4 +1,5 @@
-"""The causal parallel draft head (DFlash architecture with a causal in-block mask; spec §B).
+"""The causal parallel draft head: DFlash's architecture with a causal in-block mask
+(docs/draft_head.md).
 
 The head reads the fused target features of the committed context (the residual streams of the
 tapped target layers, concatenated) and a block ``[anchor, MASK x (bs-1)]`` at absolute positions
@@ -8,8 +9,9 @@ depth ``i``); row 0 is discarded.
 
 Per layer, the block's queries attend to keys/values from the context (``c = hidden_norm(fc(H))``,
 the same projections and k-norm as the block, RoPE at the context positions; ``c`` is *not* passed
-through ``input_layernorm``) and from the block itself (spec §B.3). The mask is built from explicit
-positions (never from cache state, spec §I.1) and shared by every layer:
+through ``input_layernorm``) and from the block itself (docs/draft_head.md §3). The mask is built
+from explicit positions (never from cache state, docs/draft_head.md §4) and shared by every
+layer:
 
   * context key at position ``j`` is visible to block slot ``i`` iff ``j < C`` (the anchor's
     position; strictly before it);
@@ -20,7 +22,7 @@ The head owns no embedding and no LM head: it uses the target's (frozen, MASK ro
 
 Context K/V are a pure function of (feature, position), so they are cached per layer, post-RoPE,
 append-only (:class:`jetspec_jax.kv_cache.KVCache` reused): each round computes only the ``acc+1``
-new context rows and the block (spec §I.7).
+new context rows and the block (docs/draft_head.md §5).
 """
 
 import dataclasses
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import kv_cache as kv_lib
-from jetspec_jax.models import matmul, qwen3
+from jetspec_jax.models import decoder, matmul
 from jetspec_jax.typing import Array, Bool, Float, Int
 
 
@@ -44,15 +46,15 @@ class DraftHeadConfig:
 
   Attributes:
     hidden_size: must equal the target's (the head uses the target's embedding and LM head).
-    target_layer_ids: tapped target layers, in fusion order (spec §B.2).
+    target_layer_ids: tapped target layers, in fusion order (docs/draft_head.md §2).
     num_target_layers: layers of the target the head was built for.
     block_size: slots per block; the maximum draft depth is ``block_size - 1``.
     mask_token_id: token id of the MASK slots (the target's frozen embedding row).
     causal: lower-triangular in-block mask (JetSpec) or full (DFlash baseline).
-    markov_rank: ``> 0`` makes a DSpark head (:mod:`jetspec_jax.dspark`): a bidirectional
+    markov_rank: ``> 0`` makes a DSpark head (:mod:`jetspec_jax.methods.dspark`): a bidirectional
       backbone whose anchor slot predicts too (block ``bs`` drafts ``bs`` tokens), a rank-``r``
       Markov bias over the previous drafted token, and a confidence head.
-    refine: a JetSpec++ head (:mod:`jetspec_jax.jetspecpp`): causal, and its draft slots may
+    refine: a JetSpec++ head (:mod:`jetspec_jax.methods.jetspecpp`): causal, and its draft slots may
       hold *guessed* tokens instead of MASK (embedded as ``embed(token) + draft_embed``, one
       learned vector marking a token as unverified); with every slot MASK it is a JetSpec head.
   """
@@ -113,7 +115,7 @@ class DraftHeadConfig:
 
 
 def default_tap_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
-  """The reference's default tap rule (spec §B.1): spread taps over layers 1 .. L-3."""
+  """The reference's default tap rule (docs/draft_head.md §1): spread taps over layers 1 .. L-3."""
   if num_taps == 1:
     return (num_target_layers // 2,)
   span = num_target_layers - 4
@@ -121,7 +123,7 @@ def default_tap_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]
 
 
 def config_for_target(
-  target_cfg: qwen3.Qwen3Config,
+  target_cfg: decoder.DecoderConfig,
   *,
   num_layers: int = 2,
   block_size: int = 16,
@@ -156,7 +158,7 @@ def config_for_target(
   )
 
 
-def check_fits_target(cfg: DraftHeadConfig, target_cfg: qwen3.Qwen3Config) -> None:
+def check_fits_target(cfg: DraftHeadConfig, target_cfg: decoder.DecoderConfig) -> None:
   """Raises a ValueError naming the first mismatch between a head and a target."""
   if cfg.hidden_size != target_cfg.hidden_size:
     raise ValueError(
@@ -202,14 +204,14 @@ class DraftLayer(nn.Module):
     self.k_proj = dense((cfg.num_key_value_heads, cfg.head_dim))
     self.v_proj = dense((cfg.num_key_value_heads, cfg.head_dim))
     self.o_proj = dense(cfg.hidden_size, axis=(-2, -1))
-    self.q_norm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
-    self.k_norm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
-    self.input_layernorm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
-    self.post_attention_layernorm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
-    self.mlp = qwen3.MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, self.compute_dtype)
+    self.q_norm = decoder.RMSNorm(cfg.rms_norm_eps, self.dtype)
+    self.k_norm = decoder.RMSNorm(cfg.rms_norm_eps, self.dtype)
+    self.input_layernorm = decoder.RMSNorm(cfg.rms_norm_eps, self.dtype)
+    self.post_attention_layernorm = decoder.RMSNorm(cfg.rms_norm_eps, self.dtype)
+    self.mlp = decoder.MLP(cfg.hidden_size, cfg.intermediate_size, self.dtype, self.compute_dtype)
 
   def keys_values(self, h, positions):
-    k = qwen3.rope(self.k_norm(self.k_proj(h)), positions, self.cfg.rope_theta)
+    k = decoder.rope(self.k_norm(self.k_proj(h)), positions, self.cfg.rope_theta)
     return k, self.v_proj(h)
 
   def context_kv(self, context: Float[Array, 'B R D'], positions: Int[Array, 'B R']):
@@ -228,7 +230,7 @@ class DraftLayer(nn.Module):
       blk_mask: ``bool[T, T]`` visible block keys (causal or full).
     """
     h = self.input_layernorm(x)
-    q = qwen3.rope(self.q_norm(self.q_proj(h)), positions, self.cfg.rope_theta)
+    q = decoder.rope(self.q_norm(self.q_proj(h)), positions, self.cfg.rope_theta)
     k, v = self.keys_values(h, positions)
     out = context_block_attention(
       q, ctx_k, ctx_v, k, v, ctx_mask, blk_mask, live_context=self.live_context
@@ -259,11 +261,11 @@ def context_block_attention(
   ctx_values = 'BKGTS,SKH->BTKGH' if shared else 'BKGTS,BSKH->BTKGH'
   pick = (lambda x: x[0]) if shared else (lambda x: x)
   s_blk = jnp.einsum('BTKGH,BPKH->BKGTP', q, blk_k, preferred_element_type=f32)
-  s_blk = jnp.where(blk_mask[None, None, None], s_blk * scale, qwen3.MASK_VALUE)
+  s_blk = jnp.where(blk_mask[None, None, None], s_blk * scale, decoder.MASK_VALUE)
   capacity = ctx_k.shape[1]
   if not live_context or capacity <= tile or capacity % tile:
     s_ctx = jnp.einsum(ctx_scores, q, pick(ctx_k), preferred_element_type=f32)
-    s_ctx = jnp.where(ctx_mask[:, None, None], s_ctx * scale, qwen3.MASK_VALUE)
+    s_ctx = jnp.where(ctx_mask[:, None, None], s_ctx * scale, decoder.MASK_VALUE)
     probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
     p_ctx, p_blk = probs[..., : s_ctx.shape[-1]], probs[..., s_ctx.shape[-1] :]
     out = jnp.einsum(ctx_values, p_ctx.astype(ctx_v.dtype), pick(ctx_v))
@@ -286,9 +288,9 @@ def context_block_attention(
     vt = jax.lax.dynamic_slice_in_dim(ctx_v, start, tile, axis=1)
     mask = jax.lax.dynamic_slice_in_dim(ctx_mask, start, tile, axis=2)
     s = jnp.einsum(ctx_scores, q, pick(kt), preferred_element_type=f32)
-    s = jnp.where(mask[:, None, None], s * scale, qwen3.MASK_VALUE)
+    s = jnp.where(mask[:, None, None], s * scale, decoder.MASK_VALUE)
     pv = lambda p: jnp.einsum(tile_values, p.astype(vt.dtype), pick(vt), preferred_element_type=f32)
-    return (*qwen3.online_softmax_step(m, denom, acc, s, pv), ctx_k, ctx_v)
+    return (*decoder.online_softmax_step(m, denom, acc, s, pv), ctx_k, ctx_v)
 
   num_tiles = (live + tile - 1) // tile
   _, denom, acc, _, _ = jax.lax.fori_loop(0, num_tiles, body, (m, denom, acc, ctx_k, ctx_v))
@@ -313,15 +315,15 @@ class DraftHeadModule(nn.Module):
       param_dtype=self.dtype,
       **matmul.dense_options(self.compute_dtype),
     )
-    self.hidden_norm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
+    self.hidden_norm = decoder.RMSNorm(cfg.rms_norm_eps, self.dtype)
     self.layers = [
       DraftLayer(cfg, self.dtype, self.live_context, self.compute_dtype)
       for _ in range(cfg.num_hidden_layers)
     ]
-    self.norm = qwen3.RMSNorm(cfg.rms_norm_eps, self.dtype)
+    self.norm = decoder.RMSNorm(cfg.rms_norm_eps, self.dtype)
 
   def context_kv(self, features, positions):
-    """Per-layer K/V of context rows: ``c = hidden_norm(fc(features))`` (spec §B.2)."""
+    """Per-layer K/V of context rows: ``c = hidden_norm(fc(features))`` (docs/draft_head.md §2)."""
     c = self.hidden_norm(self.fc(features.astype(self.dtype)))
     kvs = [layer.context_kv(c, positions) for layer in self.layers]
     return tuple(k for k, _ in kvs), tuple(v for _, v in kvs)
@@ -436,7 +438,7 @@ def init_from_target_layers(
 
 
 def vocab_logits(
-  target: qwen3.Target,
+  target: decoder.Target,
   hidden: Float[Array, '... D'],
   draft_vocab: Int[Array, ' K'] | None = None,
   compute_dtype=None,
@@ -456,7 +458,7 @@ def vocab_logits(
 def scatter_to_vocab(logits: Float[Array, '... K'], draft_vocab, vocab_size: int) -> Array:
   """Reduced-vocabulary scores placed at their token ids of a ``vocab_size`` row; every other
   id gets ``MASK_VALUE`` (probability 0: never drafted, so verification is unchanged)."""
-  full = jnp.full(logits.shape[:-1] + (vocab_size,), qwen3.MASK_VALUE, logits.dtype)
+  full = jnp.full(logits.shape[:-1] + (vocab_size,), decoder.MASK_VALUE, logits.dtype)
   return full.at[..., draft_vocab].set(logits)
 
 
@@ -532,7 +534,7 @@ class DraftHead:
   def dtype(self):
     return self.params['fc']['kernel'].dtype
 
-  def vocab_logits(self, target: qwen3.Target, hidden: Float[Array, '... D']) -> Array:
+  def vocab_logits(self, target: decoder.Target, hidden: Float[Array, '... D']) -> Array:
     """float32 draft scores ``[..., V]`` of head outputs over the target's LM head (ids outside
     :attr:`draft_vocab` get ``MASK_VALUE``)."""
     hidden = hidden.astype(target.dtype)
@@ -584,7 +586,7 @@ class DraftHead:
 
   def block_hidden(
     self,
-    target: qwen3.Target,
+    target: decoder.Target,
     cache: kv_lib.KVCache,
     anchor: Int[Array, ' B'],
     guesses: Int[Array, 'B depth'] | None = None,
@@ -611,7 +613,7 @@ class DraftHead:
 
   def propose_cached(
     self,
-    target: qwen3.Target,
+    target: decoder.Target,
     cache: kv_lib.KVCache,
     anchor: Int[Array, ' B'],
     guesses: Int[Array, 'B depth'] | None = None,
@@ -626,7 +628,7 @@ class DraftHead:
     return self.vocab_logits(target, hidden)
 
   def propose(
-    self, target: qwen3.Target, context_features: Float[Array, 'C F'], anchor: int | Array
+    self, target: decoder.Target, context_features: Float[Array, 'C F'], anchor: int | Array
   ) -> Float[Array, 'depth V']:
     """Per-depth logits ``[max_depth, V]`` from the whole context at once (no cache reuse;
     for a DSpark head, its base logits without the Markov bias).
@@ -650,7 +652,7 @@ class DraftHead:
 
 
 def random_draft_head(
-  target: qwen3.Target,
+  target: decoder.Target,
   *,
   block_size: int = 8,
   causal: bool = True,

@@ -28,7 +28,7 @@ import shutil
 
 import numpy as np
 
-from jetspec_jax.models import qwen3
+from jetspec_jax.models import decoder
 from jetspec_jax.models.checkpoint_files import CheckpointError, write_tensors
 
 # Bump when the conversion's output changes, so stale cache entries are not reused.
@@ -178,7 +178,7 @@ def config_from_gguf(reader) -> dict:
       raise CheckpointError(f'GGUF metadata gives neither {arch}.vocab_size nor a token list')
     vocab = len(tokens.data)
   hf = dict(
-    architectures=[qwen3.HF_ARCHITECTURES[arch]],  # GGUF's architecture names are model types
+    architectures=[decoder.HF_ARCHITECTURES[arch]],  # GGUF's architecture names are model types
     model_type=arch,
     vocab_size=int(vocab),
     hidden_size=hidden,

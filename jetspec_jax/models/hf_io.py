@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import sharding
-from jetspec_jax.models import draft_head, gguf_io, qwen3
+from jetspec_jax.models import decoder, draft_head, gguf_io
 from jetspec_jax.models.checkpoint_files import (  # noqa: F401  (re-exported)
   INDEX_FILE,
   SINGLE_FILE,
@@ -47,7 +47,9 @@ from jetspec_jax.models.checkpoint_files import (  # noqa: F401  (re-exported)
   write_tensors,
 )
 
-SUPPORTED_ARCHITECTURES = {arch: model_type for model_type, arch in qwen3.HF_ARCHITECTURES.items()}
+SUPPORTED_ARCHITECTURES = {
+  arch: model_type for model_type, arch in decoder.HF_ARCHITECTURES.items()
+}
 
 
 # Config.
@@ -65,7 +67,7 @@ def rope_theta_from_hf(hf: Mapping) -> float:
   return float(theta)
 
 
-def rope_scaling_from_hf(hf: Mapping, *, allow_scaling: bool = True) -> qwen3.RopeScaling | None:
+def rope_scaling_from_hf(hf: Mapping, *, allow_scaling: bool = True) -> decoder.RopeScaling | None:
   """``None`` for default RoPE, a :class:`RopeScaling` for ``rope_type: llama3``."""
   params = _rope_params(hf)
   rope_type = params.get('rope_type', params.get('type', 'default'))
@@ -75,7 +77,7 @@ def rope_scaling_from_hf(hf: Mapping, *, allow_scaling: bool = True) -> qwen3.Ro
     supported = "'default' or 'llama3'" if allow_scaling else "'default'"
     raise CheckpointError(f'rope_type {rope_type!r} is not supported (only {supported})')
   try:
-    return qwen3.RopeScaling(
+    return decoder.RopeScaling(
       factor=float(params['factor']),
       low_freq_factor=float(params['low_freq_factor']),
       high_freq_factor=float(params['high_freq_factor']),
@@ -93,8 +95,8 @@ def rope_params_to_hf(cfg) -> dict:
   return params
 
 
-def config_from_hf(hf: Mapping) -> qwen3.Qwen3Config:
-  """Builds a :class:`Qwen3Config` from a Hugging Face ``config.json`` dict."""
+def config_from_hf(hf: Mapping) -> decoder.DecoderConfig:
+  """Builds a :class:`DecoderConfig` from a Hugging Face ``config.json`` dict."""
   archs = hf.get('architectures') or []
   model_type = hf.get('model_type')
   known = set(SUPPORTED_ARCHITECTURES.values())
@@ -129,7 +131,7 @@ def config_from_hf(hf: Mapping) -> qwen3.Qwen3Config:
       decoder_sparse_step=hf.get('decoder_sparse_step', 1),
       mlp_only_layers=tuple(hf.get('mlp_only_layers') or ()),
     )
-  return qwen3.Qwen3Config(
+  return decoder.DecoderConfig(
     vocab_size=hf['vocab_size'],
     hidden_size=hf['hidden_size'],
     intermediate_size=hf['intermediate_size'],
@@ -170,7 +172,7 @@ def _architecture_fields(cfg, dtype) -> dict:
   )
 
 
-def config_to_hf(cfg: qwen3.Qwen3Config, dtype=jnp.float32) -> dict:
+def config_to_hf(cfg: decoder.DecoderConfig, dtype=jnp.float32) -> dict:
   """The Hugging Face ``config.json`` dict for ``cfg``."""
   hf = dict(
     _architecture_fields(cfg, dtype),
@@ -190,7 +192,7 @@ def config_to_hf(cfg: qwen3.Qwen3Config, dtype=jnp.float32) -> dict:
       mlp_only_layers=list(cfg.mlp_only_layers),
     )
   else:
-    hf.update(architectures=[qwen3.HF_ARCHITECTURES[cfg.model_type]], model_type=cfg.model_type)
+    hf.update(architectures=[decoder.HF_ARCHITECTURES[cfg.model_type]], model_type=cfg.model_type)
   if cfg.model_type == 'qwen2':
     del hf['attention_bias']  # implied by the family
   return hf
@@ -252,7 +254,7 @@ def _mlp_rules(lp: str, hp: str):
     yield (lp, 'mlp', proj, 'kernel'), f'{hp}.mlp.{proj}.weight', _t, _t
 
 
-def _target_rules(cfg: qwen3.Qwen3Config) -> Iterator[_Rule]:
+def _target_rules(cfg: decoder.DecoderConfig) -> Iterator[_Rule]:
   dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size)
   yield ('embed_tokens', 'embedding'), 'model.embed_tokens.weight', _ident, _ident
   for i in range(cfg.num_hidden_layers):
@@ -324,7 +326,7 @@ def draft_vocab_from_tensors(tensors, vocab_size: int, where) -> np.ndarray | No
   return ids.astype(np.int32)
 
 
-def _expert_leaves(cfg: qwen3.Qwen3Config, tensors: dict[str, np.ndarray], used: set[str]):
+def _expert_leaves(cfg: decoder.DecoderConfig, tensors: dict[str, np.ndarray], used: set[str]):
   """Yields (flax path, stacked array) for every sparse layer's experts (per-expert or fused)."""
   for i in range(cfg.num_hidden_layers):
     if not cfg.is_sparse_layer(i):
@@ -393,10 +395,10 @@ def _map_from_hf(tensors, rules, expected, used: set[str], ignorable=()) -> dict
 
 
 def params_from_hf(
-  tensors: dict[str, np.ndarray], cfg: qwen3.Qwen3Config, dtype=jnp.float32
+  tensors: dict[str, np.ndarray], cfg: decoder.DecoderConfig, dtype=jnp.float32
 ) -> dict:
   """Maps HF tensors to the target's Flax parameter pytree, checking names and shapes."""
-  expected = jax.eval_shape(lambda: qwen3.init_params(cfg, jax.random.key(0), dtype))
+  expected = jax.eval_shape(lambda: decoder.init_params(cfg, jax.random.key(0), dtype))
   used = set()
   experts = list(_expert_leaves(cfg, tensors, used))
   # Some tied checkpoints still store the (identical) LM head; it carries no information.
@@ -412,7 +414,7 @@ def params_from_hf(
   return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
 
 
-def params_to_hf(params: dict, cfg: qwen3.Qwen3Config) -> dict[str, np.ndarray]:
+def params_to_hf(params: dict, cfg: decoder.DecoderConfig) -> dict[str, np.ndarray]:
   """The inverse of :func:`params_from_hf` (experts written per expert)."""
   tensors = {
     name: to_hf(np.asarray(_get(params, path))) for path, name, _, to_hf in _target_rules(cfg)
@@ -433,7 +435,7 @@ def params_to_hf(params: dict, cfg: qwen3.Qwen3Config) -> dict[str, np.ndarray]:
 
 def load_target(
   path: str | os.PathLike, *, dtype=jnp.float32, attn_impl: str = 'xla', mesh=None
-) -> qwen3.Target:
+) -> decoder.Target:
   """Loads a Hugging Face checkpoint directory or a GGUF file as a :class:`Target`.
 
   Args:
@@ -450,8 +452,8 @@ def load_target(
     CheckpointError: unsupported architecture, missing/unexpected tensors, shape mismatches,
       unreadable files.
   """
-  if attn_impl not in qwen3.ATTN_IMPLS:
-    raise ValueError(f'attn_impl must be one of {qwen3.ATTN_IMPLS}, got {attn_impl!r}')
+  if attn_impl not in decoder.ATTN_IMPLS:
+    raise ValueError(f'attn_impl must be one of {decoder.ATTN_IMPLS}, got {attn_impl!r}')
   path = pathlib.Path(path)
   if path.suffix == '.gguf':
     path = gguf_io.cached_checkpoint(path)
@@ -459,11 +461,11 @@ def load_target(
   params = params_from_hf(read_tensors(path), cfg, dtype)
   if mesh is not None:
     params = sharding.shard_params(params, mesh)
-  return qwen3.Target(cfg=cfg, params=params, attn_impl=attn_impl)
+  return decoder.Target(cfg=cfg, params=params, attn_impl=attn_impl)
 
 
 def save_target(
-  target: qwen3.Target, path: str | os.PathLike, *, max_shard_bytes: int | None = None
+  target: decoder.Target, path: str | os.PathLike, *, max_shard_bytes: int | None = None
 ) -> None:
   """Writes ``target`` as a Hugging Face checkpoint that ``transformers`` loads."""
   path = pathlib.Path(path)
@@ -555,7 +557,7 @@ def head_config_to_hf(cfg: draft_head.DraftHeadConfig, dtype=jnp.float32) -> dic
 
 
 def load_draft_head(
-  path: str | os.PathLike, target: qwen3.Target, *, dtype=None
+  path: str | os.PathLike, target: decoder.Target, *, dtype=None
 ) -> draft_head.DraftHead:
   """Loads a JetSpec / DFlash / DSpark / JetSpec++ head checkpoint and binds it to ``target``.
 

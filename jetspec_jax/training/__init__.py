@@ -1,4 +1,5 @@
-"""Training: draft heads by self-distillation (spec §C) and the small target LM, on one loop."""
+"""Training: draft heads by self-distillation (docs/training.md) and the small target LM, on one
+loop."""
 
 from jetspec_jax.training.head_trainer import (
   StepSettings,

@@ -1,13 +1,13 @@
-"""Anchor blocks for draft-head training (spec §C.3-C.4).
+"""Anchor blocks for draft-head training (docs/training.md §3).
 
 Per sequence, up to ``num_anchors`` anchors are drawn uniformly without replacement from the valid
 positions (``loss_mask[a] == loss_mask[a+1] == 1``: the anchor and its first target are response
 tokens, as at inference where the anchor is always a generated token) and sorted. Block ``k`` is
 ``[x_a, MASK x (bs-1)]`` at positions ``a .. a+bs-1``. Its queries see context positions ``< a``
-(strictly: the anchor has no feature row at inference, spec §I.8), their own block causally (or
-fully, for the bidirectional baseline) and no other block. Slot ``i >= 1`` predicts ``x_{a+i}``
-(teacher: the target's logits at ``a+i-1``); slot 0 has no loss; a slot is valid only inside the
-sequence and the response, and validity is cut at the first invalid slot.
+(strictly: the anchor has no feature row at inference, docs/training.md §3), their own block
+causally (or fully, for the bidirectional baseline) and no other block. Slot ``i >= 1`` predicts
+``x_{a+i}`` (teacher: the target's logits at ``a+i-1``); slot 0 has no loss; a slot is valid only
+inside the sequence and the response, and validity is cut at the first invalid slot.
 
 Example, ``bs = 3``, anchors at 2 and 5, sequence length 7 (``x`` = visible)::
 
@@ -140,12 +140,13 @@ def refine_blocks(
   The round it stands for accepts ``acc`` = the leading run of correct guesses, so the next block
   is anchored at ``a' = a + acc + 1`` (on the committed bonus token ``x_{a'}``), and its slot ``i``
   (position ``a' + i``) holds the old guess for that position (``guesses[k, acc + i]``) while one
-  exists, MASK after: exactly what :func:`jetspec_jax.jetspecpp.realign` feeds at inference. The
-  block sees context ``< a'`` only, and its guesses depend on context ``< a`` and on ``x_a``, so
-  nothing at or after ``a' + 1`` reaches it; a block whose anchor is no valid anchor is dropped.
+  exists, MASK after: exactly what :func:`jetspec_jax.methods.jetspecpp.realign` feeds at
+  inference. The block sees context ``< a'`` only, and its guesses depend on context ``< a`` and
+  on ``x_a``, so nothing at or after ``a' + 1`` reaches it; a block whose anchor is no valid
+  anchor is dropped.
   Where ``in_round``, the block is instead the clean block itself fed its own draft (anchor
   ``a``, slot ``i`` holds ``guesses[k, i-1]``): an in-round refinement pass
-  (``refine_passes`` of :func:`jetspec_jax.jetspecpp.refined_logits`).
+  (``refine_passes`` of :func:`jetspec_jax.methods.jetspecpp.refined_logits`).
   """
   bs = clean.tokens.shape[1]
   depth = bs - 1
@@ -174,7 +175,7 @@ def noisy_context_blocks(
   run: Int[Array, ' anchors'],
   truth: Int[Array, ' anchors'],
 ) -> Blocks:
-  """JetSpec++ noisy-context blocks (Jacobi Forcing's noisy context, next_methods.md §5.3 b).
+  """JetSpec++ noisy-context blocks (Jacobi Forcing's noisy context, docs/training.md §6).
 
   At each clean block's anchor ``a`` (context taps ``< a`` as the clean block's), slots
   ``1..run[k]`` are token-only context: the first ``truth[k]`` of them hold the true tokens

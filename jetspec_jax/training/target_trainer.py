@@ -1,5 +1,5 @@
 """Target-LM trainer: a small Qwen3-architecture code model from scratch (the embedded default,
-DESIGN.md §7), on the same host loop as the draft-head trainer.
+docs/design.md §7), on the same host loop as the draft-head trainer.
 
 Corpus: the Python standard library sources of the running interpreter (a real code corpus every
 Python install carries), minus tests, split by module into train and validation. Tokenizer: a
@@ -20,7 +20,7 @@ from absl import logging
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jetspec_jax import corpus
-from jetspec_jax.models import hf_io, qwen3
+from jetspec_jax.models import decoder, hf_io
 from jetspec_jax.training.loop import TrainState, init_state, make_optimizer, train_loop
 
 EOS = '<|endoftext|>'
@@ -61,10 +61,10 @@ def batch_at(stream: np.ndarray, step: int, batch: int, seq_len: int, seed: int)
   return np.stack([stream[s : s + seq_len + 1] for s in starts])
 
 
-def lm_loss(params, cfg: qwen3.Qwen3Config, windows):
+def lm_loss(params, cfg: decoder.DecoderConfig, windows):
   """Mean next-token cross-entropy (float32) over ``windows[:, :-1] -> windows[:, 1:]``."""
   inputs, labels = windows[:, :-1], windows[:, 1:]
-  target = qwen3.Target(cfg=cfg, params=params)
+  target = decoder.Target(cfg=cfg, params=params)
   out = target.forward(inputs, target.make_cache(*inputs.shape))
   logits = target.lm_logits(out.hidden).astype(jnp.float32)
   logp = jax.nn.log_softmax(logits, axis=-1)
@@ -74,7 +74,7 @@ def lm_loss(params, cfg: qwen3.Qwen3Config, windows):
 _lm_loss_jit = jax.jit(lm_loss, static_argnums=1)
 
 
-def make_lm_step(cfg: qwen3.Qwen3Config, optimizer):
+def make_lm_step(cfg: decoder.DecoderConfig, optimizer):
   @jax.jit
   def step(state: TrainState, windows):
     loss, grads = jax.value_and_grad(lm_loss)(state.params, cfg, windows)
@@ -118,7 +118,7 @@ def train_target(config, workdir: str) -> dict:
     len(val_files),
     len(val_stream),
   )
-  cfg = qwen3.Qwen3Config(
+  cfg = decoder.DecoderConfig(
     **config.model.to_dict(), vocab_size=tok.get_vocab_size(), eos_token_id=tok.token_to_id(EOS)
   )
   optimizer = make_optimizer(
@@ -143,7 +143,7 @@ def train_target(config, workdir: str) -> dict:
 
   state, _ = train_loop(
     lambda state, windows, step: step_fn(state, windows),
-    init_state(qwen3.init_params(cfg, jax.random.key(config.seed)), optimizer),
+    init_state(decoder.init_params(cfg, jax.random.key(config.seed)), optimizer),
     lambda step: batch_at(train_stream, step, config.batch, config.seq_len, config.seed),
     workdir,
     steps=config.steps,
@@ -155,7 +155,7 @@ def train_target(config, workdir: str) -> dict:
     max_to_keep=2,
   )
   val_loss = val_loss_of(state.params)
-  target = qwen3.Target(cfg=cfg, params=state.params)
+  target = decoder.Target(cfg=cfg, params=state.params)
   export = pathlib.Path(config.export_dir or workdir / 'export')
   hf_io.save_target(target, export)
   tok.save(str(export / 'tokenizer.json'))
@@ -164,7 +164,7 @@ def train_target(config, workdir: str) -> dict:
     val_loss=val_loss,
     train_tokens=len(train_stream),
     val_tokens=len(val_stream),
-    params=qwen3.count_params(state.params),
+    params=decoder.count_params(state.params),
     export_dir=str(export),
   )
   (workdir / 'result.json').write_text(json.dumps(result, indent=2))

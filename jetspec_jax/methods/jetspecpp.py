@@ -1,5 +1,5 @@
 """JetSpec++: each round's draft block is seeded with the previous round's draft of the same
-positions, and refines it on the now-true context (DESIGN.md §5; ../docs/next_methods.md §5).
+positions, and refines it on the now-true context (docs/design.md §5; docs/methods.md §5).
 
 A JetSpec block anchored at ``P`` drafts positions ``P+1 .. P+D`` from MASK slots. After a round
 commits ``tau`` tokens, the next anchor sits at ``P' = P + tau`` and the old draft still holds a
@@ -26,8 +26,10 @@ import dataclasses
 import jax.numpy as jnp
 
 from jetspec_jax import rounds as rounds_lib
+from jetspec_jax.methods import tree as tree_method
+from jetspec_jax.methods.base import Method
+from jetspec_jax.models import decoder
 from jetspec_jax.models import draft_head as draft_head_lib
-from jetspec_jax.models import qwen3
 from jetspec_jax.typing import Array, Int
 
 NO_GUESS = -1
@@ -51,7 +53,7 @@ def realign(guesses: Int[Array, 'B depth'], shift: Int[Array, ' B']) -> Int[Arra
 
 
 def refined_logits(
-  target: qwen3.Target,
+  target: decoder.Target,
   head: draft_head_lib.DraftHead,
   draft_cache,
   anchor: Int[Array, ' B'],
@@ -68,7 +70,7 @@ def refined_logits(
 
 
 def draft(
-  target: qwen3.Target,
+  target: decoder.Target,
   head: draft_head_lib.DraftHead,
   state: rounds_lib.RoundState,
   recycle: bool,
@@ -85,11 +87,11 @@ def draft(
 
 
 def jetspecpp_round(
-  target: qwen3.Target,
+  target: decoder.Target,
   head: draft_head_lib.DraftHead,
   state: rounds_lib.RoundState,
   sampling: rounds_lib.Sampling,
-  tree_settings: rounds_lib.TreeSettings,
+  tree_settings: tree_method.Tree,
   *,
   recycle: bool = True,
   refine_passes: int = 0,
@@ -99,7 +101,7 @@ def jetspecpp_round(
   if head.cfg.kind != 'jetspecpp':
     raise ValueError(f'a JetSpec++ round needs a jetspecpp head, got a {head.cfg.kind} head')
   draft_cache, guesses, logits = draft(target, head, state, recycle, refine_passes)
-  new_state, out = rounds_lib.verify_tree_round(
+  new_state, out = tree_method.verify_tree_round(
     target, head, state, draft_cache, logits, sampling, tree_settings
   )
   fed = guesses >= 0
@@ -117,32 +119,48 @@ def jetspecpp_round(
 
 
 @dataclasses.dataclass(frozen=True)
-class JetSpecPPRound:
-  """A JetSpec++ round as a static, hashable round function of
-  :func:`jetspec_jax.rounds.speculative_loop`.
+class JetSpecPP(Method):
+  """JetSpec++: a JetSpec++ head's tree, its block seeded with the previous round's draft of the
+  same positions and refined on the now-true context.
 
   Attributes:
-    settings: the tree shape (as JetSpec's).
-    recycle: seed each block with the previous draft of its positions (off: MASK slots, the
-      JetSpec round).
+    budget, width, algorithm, copy_len, copy_ngram: the tree, as :class:`~jetspec_jax.methods.Tree`.
+    recycle: seed each block with the previous draft of its positions (False: MASK slots, i.e.
+      the JetSpec round with this head).
     refine_passes: extra head passes per round, each fed the previous pass's trunk.
   """
 
-  settings: rounds_lib.TreeSettings
+  name = 'jetspecpp'
+  head_kinds = ('jetspecpp',)
+
+  budget: int = 64
+  width: int = 7
+  algorithm: str = 'accum_logp'
+  copy_len: int = 0
+  copy_ngram: int = 4
   recycle: bool = True
   refine_passes: int = 0
-
-  @property
-  def stat_names(self) -> tuple[str, ...]:
-    return STAT_NAMES + self.settings.stat_names
-
-  @property
-  def keeps_history(self) -> bool:
-    return self.settings.copy_len > 0
 
   def __post_init__(self):
     if self.refine_passes < 0:
       raise ValueError(f'{self.refine_passes=} must be >= 0')
+    _ = self.tree  # the tree's own checks
+
+  @property
+  def tree(self) -> tree_method.Tree:
+    return tree_method.Tree(self.budget, self.width, self.algorithm, self.copy_len, self.copy_ngram)
+
+  @property
+  def stat_names(self) -> tuple[str, ...]:
+    return STAT_NAMES + self.tree.stat_names
+
+  @property
+  def keeps_history(self) -> bool:
+    return self.copy_len > 0
+
+  def make_round(self, target, head):
+    self.tree.make_round(target, head)
+    return self, self.budget
 
   def init_state(self, head, state):
     return init_guesses(head, state)
@@ -157,7 +175,7 @@ class JetSpecPPRound:
       head,
       state,
       sampling,
-      self.settings,
+      self.tree,
       recycle=self.recycle,
       refine_passes=self.refine_passes,
     )

@@ -42,8 +42,9 @@ from jetspec_jax import rounds as rounds_lib
 from jetspec_jax import tree as tree_lib
 from jetspec_jax import verify as verify_lib
 from jetspec_jax.kv_cache import KVCache
+from jetspec_jax.methods.base import Method
+from jetspec_jax.models import decoder
 from jetspec_jax.models import draft_head as draft_head_lib
-from jetspec_jax.models import qwen3
 from jetspec_jax.typing import Array, Float, Int
 
 VERIFY_LENGTHS = ('threshold', 'scheduler')
@@ -90,7 +91,7 @@ class Draft(NamedTuple):
 
 def draft_chain(
   head: draft_head_lib.DraftHead,
-  target: qwen3.Target,
+  target: decoder.Target,
   hidden: Float[Array, 'B T D'],
   anchor: Int[Array, ' B'],
   key,
@@ -222,7 +223,7 @@ def chain_tree(tokens: Int[Array, 'B M']) -> tree_lib.Tree:
 
 
 def verify_chain(
-  target: qwen3.Target,
+  target: decoder.Target,
   cache: KVCache,
   chain: Int[Array, 'B M'],
   num_verified: Int[Array, ''],
@@ -291,14 +292,18 @@ def accept_chain(
 
 
 @dataclasses.dataclass(frozen=True)
-class DSparkRound:
-  """A DSpark round (static, hashable): how the verify length is chosen.
+class DSpark(Method):
+  """DSpark: a DSpark head's sequential chain, verified up to a confidence-chosen length.
 
   Attributes:
     verify_length: ``'threshold'`` or ``'scheduler'``.
     threshold: the survival threshold (``'threshold'``); 0 verifies the whole block.
-    widths: compiled verify widths (nodes, root included), ascending, the last ``gamma + 1``.
+    widths: compiled verify widths (nodes, root included), ascending, the last ``gamma + 1``
+      (default: :func:`verify_widths`).
   """
+
+  name = 'dspark'
+  head_kinds = ('dspark',)
 
   verify_length: str = 'threshold'
   threshold: float = 0.5
@@ -314,6 +319,17 @@ class DSparkRound:
     ):
       raise ValueError(f'widths={self.widths} must be ascending and >= 1')
 
+  def make_round(self, target, head):
+    return self, head.cfg.max_depth + 1
+
+  def round_data(self, target, head, batch_size, capacity):
+    """The scheduler's rounds-per-second table (draft + verify at each verify width), profiled
+    once per device, batch and capacity; None for the threshold."""
+    if self.verify_length != 'scheduler':
+      return None
+    widths = self.widths or verify_widths(head.cfg.max_depth)
+    return jnp.asarray(profile_sps(target, batch_size, capacity, widths, head=head))
+
   def __call__(self, target, head, state, sampling, sps=None):
     return dspark_round(target, head, state, sampling, self, sps)
 
@@ -325,11 +341,11 @@ class DSparkRound:
 
 
 def dspark_round(
-  target: qwen3.Target,
+  target: decoder.Target,
   head: draft_head_lib.DraftHead,
   state: rounds_lib.RoundState,
   sampling: rounds_lib.Sampling,
-  settings: DSparkRound,
+  settings: DSpark,
   sps: Float[Array, ' W'] | None = None,
 ) -> tuple[rounds_lib.RoundState, rounds_lib.RoundOutput]:
   """One DSpark round: draft chain -> verify length -> verify -> accept -> commit."""
@@ -375,7 +391,7 @@ _SPS_CACHE: dict = {}
 
 
 def profile_sps(
-  target: qwen3.Target,
+  target: decoder.Target,
   batch_size: int,
   capacity: int,
   widths: tuple[int, ...],
@@ -436,71 +452,3 @@ def profile_sps(
   table = width_table(per_width, widths)
   _SPS_CACHE[cache_key] = table
   return table
-
-
-# Calibration: sequential temperature scaling (host side, numpy).
-
-TEMPERATURE_GRID = tuple(np.round(np.exp(np.linspace(np.log(0.1), np.log(10.0), 81)), 4))
-
-
-def expected_calibration_error(prob, outcome, valid=None, num_bins: int = 15) -> float:
-  """ECE of predicted probabilities against 0/1 (or soft) outcomes: the population-weighted
-  mean of ``|mean(prob) - mean(outcome)|`` over ``num_bins`` equal-width bins of ``prob``."""
-  prob, outcome = np.asarray(prob, np.float64).ravel(), np.asarray(outcome, np.float64).ravel()
-  if valid is not None:
-    keep = np.asarray(valid, bool).ravel()
-    prob, outcome = prob[keep], outcome[keep]
-  if prob.size == 0:
-    return float('nan')
-  bins = np.minimum((prob * num_bins).astype(int), num_bins - 1)
-  count = np.bincount(bins, minlength=num_bins)
-  gap = np.abs(
-    np.bincount(bins, prob, num_bins) - np.bincount(bins, outcome, num_bins)
-  )  # per bin: |sum(prob) - sum(outcome)|
-  return float(gap.sum() / count.sum())
-
-
-def cumulative_survival(logits, temperatures) -> np.ndarray:
-  """``a_k = prod_{i<=k} sigmoid(logit_i / t_i)`` for confidence logits ``[N, gamma]``."""
-  logits = np.asarray(logits, np.float64)
-  return np.cumprod(1.0 / (1.0 + np.exp(-logits / np.asarray(temperatures)[None])), axis=1)
-
-
-def survival_ece(logits, accepted, valid, temperatures) -> np.ndarray:
-  """Per-position ECE ``[gamma]`` of the survival ``a_k`` against "x_1..x_k all accepted"."""
-  accepted, valid = np.asarray(accepted, bool), np.asarray(valid, bool)
-  alive = np.cumprod(accepted, axis=1)
-  a = cumulative_survival(logits, temperatures)
-  return np.array(
-    [expected_calibration_error(a[:, k], alive[:, k], valid[:, k]) for k in range(a.shape[1])]
-  )
-
-
-def fit_temperatures(logits, accepted, valid, grid=TEMPERATURE_GRID) -> np.ndarray:
-  """Sequential temperature scaling: position by position, left to right, the temperature (from
-  ``grid``) that minimises the ECE of the cumulative product, earlier positions frozen.
-
-  Args:
-    logits: ``[N, gamma]`` confidence logits of drafted tokens (held-out data).
-    accepted: ``bool[N, gamma]`` token ``k`` was accepted (meaningful where ``x_{<k}`` were).
-    valid: ``bool[N, gamma]`` positions with an outcome.
-
-  Returns:
-    ``float32[gamma]`` temperatures.
-  """
-  logits = np.asarray(logits, np.float64)
-  accepted, valid = np.asarray(accepted, bool), np.asarray(valid, bool)
-  alive = np.cumprod(accepted, axis=1)
-  gamma = logits.shape[1]
-  temps = np.ones(gamma)
-  prefix = np.ones(logits.shape[0])
-  for k in range(gamma):
-    best, best_ece = 1.0, np.inf
-    for t in grid:
-      a = prefix / (1.0 + np.exp(-logits[:, k] / t))
-      ece = expected_calibration_error(a, alive[:, k], valid[:, k])
-      if ece < best_ece - 1e-12:
-        best, best_ece = float(t), ece
-    temps[k] = best
-    prefix = prefix / (1.0 + np.exp(-logits[:, k] / best))
-  return temps.astype(np.float32)

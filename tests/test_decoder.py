@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jetspec_jax as js
-from jetspec_jax.models import qwen3
+from jetspec_jax.models import decoder
 
 ATOL = 2e-5
 
@@ -102,7 +102,7 @@ def tree_forward(target, prefix, tokens, anc, capacity, taps=()):
 def test_tree_masked_forward_equals_path_forward(target):
   """Each tree node's logits and taps == a plain forward along its root-to-node path.
 
-  This is the invariant that makes one-pass tree verification exact (DESIGN.md §5): a node sees
+  This is the invariant that makes one-pass tree verification exact (docs/design.md §5): a node sees
   the committed prefix plus its ancestors, at position ``P + depth``, so it computes what it
   would compute in the linear sequence.
   """
@@ -147,20 +147,20 @@ def test_commit_path_makes_cache_equal_to_linear(target):
 @pytest.mark.parametrize(
   'preset, published',
   [
-    (qwen3.qwen3_8b, 8.19e9),
-    (qwen3.qwen3_30b_a3b, 30.5e9),
-    (qwen3.qwen3_0_6b, 0.596e9),
+    (decoder.qwen3_8b, 8.19e9),
+    (decoder.qwen3_30b_a3b, 30.5e9),
+    (decoder.qwen3_0_6b, 0.596e9),
   ],
 )
 def test_preset_parameter_counts(preset, published):
   """Full-size presets, checked by shape only: counts match the published model sizes."""
-  shapes = jax.eval_shape(lambda: qwen3.init_params(preset(), jax.random.key(0), jnp.bfloat16))
-  count = qwen3.count_params(shapes)
+  shapes = jax.eval_shape(lambda: decoder.init_params(preset(), jax.random.key(0), jnp.bfloat16))
+  count = decoder.count_params(shapes)
   assert abs(count - published) / published < 0.005, count
 
 
 def test_moe_preset_active_parameters():
-  cfg = qwen3.qwen3_30b_a3b()
+  cfg = decoder.qwen3_30b_a3b()
   assert cfg.is_moe and all(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
 
 
@@ -191,20 +191,20 @@ def test_sequence_beyond_cache_capacity(target):
   with pytest.raises(ValueError, match='attn_impl'):
     target.with_attn_impl('cuda')
   with pytest.raises(ValueError, match='attn_impl'):
-    qwen3.forward(target.params, ids, target.make_cache(1, 16), cfg=target.cfg, attn_impl='cuda')
+    decoder.forward(target.params, ids, target.make_cache(1, 16), cfg=target.cfg, attn_impl='cuda')
 
 
 def test_generate_prompt_beyond_context():
   target = js.testing.tiny_target(0, max_position_embeddings=32)
   with pytest.raises(ValueError, match='exceeds the model context 32'):
-    js.generate(target, None, np.arange(30), max_new_tokens=8, method='ar')
+    js.generate(target, None, np.arange(30), max_new_tokens=8, method=js.methods.AR())
 
 
 def test_bad_config():
   with pytest.raises(ValueError, match='multiple of'):
-    qwen3.tiny(num_attention_heads=5, num_key_value_heads=2)
+    decoder.tiny(num_attention_heads=5, num_key_value_heads=2)
   with pytest.raises(ValueError, match='even'):
-    qwen3.tiny(head_dim=13)
+    decoder.tiny(head_dim=13)
 
 
 @pytest.mark.parametrize(
@@ -222,18 +222,20 @@ def test_tiled_attention_equals_dense_and_skips_dead_tiles(prefix_lens, num_new,
   plen = jnp.asarray(prefix_lens, jnp.int32)
   if kind == 'tree':
     tree = js.testing.random_tree(3, num_new)
-    mask = qwen3.TailMask(plen, jnp.broadcast_to(tree.ancestor_mask(), (b, num_new, num_new)))
+    mask = decoder.TailMask(plen, jnp.broadcast_to(tree.ancestor_mask(), (b, num_new, num_new)))
   elif kind == 'causal':
-    mask = qwen3.TailMask(plen)
+    mask = decoder.TailMask(plen)
   else:
-    mask = qwen3.CausalSlots(plen[:, None] + jnp.arange(num_new)[None])
+    mask = decoder.CausalSlots(plen[:, None] + jnp.arange(num_new)[None])
   live = int(mask.live_slots(num_new))
   dead = -(-live // tile) * tile
   k[:, dead:], v[:, dead:] = np.nan, np.nan
   dense = mask.block(num_new, 0, capacity)
-  want = qwen3.attention_xla(q, jnp.nan_to_num(k), jnp.nan_to_num(v), dense)
-  got = qwen3.attention_live(q, jnp.asarray(k), jnp.asarray(v), mask, tile=tile)
+  want = decoder.attention_xla(q, jnp.nan_to_num(k), jnp.nan_to_num(v), dense)
+  got = decoder.attention_live(q, jnp.asarray(k), jnp.asarray(v), mask, tile=tile)
   assert np.isfinite(np.asarray(got)).all()
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
-  full = qwen3.attention_live(q, jnp.asarray(k), jnp.asarray(v), qwen3.DenseMask(dense), tile=tile)
+  full = decoder.attention_live(
+    q, jnp.asarray(k), jnp.asarray(v), decoder.DenseMask(dense), tile=tile
+  )
   assert not np.isfinite(np.asarray(full)).all()  # the planted NaN is reachable by a full scan
