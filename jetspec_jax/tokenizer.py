@@ -17,7 +17,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from jetspec_jax.models import gguf_io
+from jetspec_jax.models import checkpoint_files, gguf_io
 from jetspec_jax.models.checkpoint_files import CheckpointError
 
 EOS = '<|endoftext|>'
@@ -92,24 +92,33 @@ class Tokenizer:
   def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-  def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt=True) -> str:
-    """The chat template rendered as text."""
+  def render_chat(
+    self,
+    messages: Sequence[Mapping[str, str]],
+    add_generation_prompt: bool = True,
+    **template_kwargs,
+  ) -> str:
+    """The chat template rendered as text. ``template_kwargs`` go to the template as variables,
+    as transformers passes them (e.g. Qwen3's ``enable_thinking=False``, ``tools=[...]``)."""
     if not self.chat_template:
       raise ValueError('this tokenizer has no chat template')
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals['raise_exception'] = _raise_template_error
+    variables = dict(bos_token=self.bos_token or '', eos_token=self.eos_token or '')
+    variables.update(template_kwargs)
     return env.from_string(self.chat_template).render(
-      messages=list(messages),
-      add_generation_prompt=add_generation_prompt,
-      bos_token=self.bos_token or '',
-      eos_token=self.eos_token or '',
+      messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
     )
 
   def apply_chat_template(
-    self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    self,
+    messages: Sequence[Mapping[str, str]],
+    add_generation_prompt: bool = True,
+    **template_kwargs,
   ) -> list[int]:
-    """Token ids of ``messages`` in the model's chat format (the model's own template)."""
-    return self.encode(self.render_chat(messages, add_generation_prompt))
+    """Token ids of ``messages`` in the model's chat format (the model's own template, with
+    ``template_kwargs`` as its variables: :meth:`render_chat`)."""
+    return self.encode(self.render_chat(messages, add_generation_prompt, **template_kwargs))
 
   def save(self, path: str | os.PathLike) -> None:
     """Writes ``tokenizer.json`` and ``tokenizer_config.json`` into directory ``path``."""
@@ -123,6 +132,11 @@ class Tokenizer:
       eos_ids=sorted(self.eos_ids),
     )
     (path / 'tokenizer_config.json').write_text(json.dumps(config, indent=2))
+
+
+# The template's own file beside tokenizer_config.json, as current transformers saves it (it then
+# leaves ``chat_template`` out of the config); it wins over a template in the config.
+CHAT_TEMPLATE_FILE = 'chat_template.jinja'
 
 
 def _raise_template_error(message):
@@ -144,9 +158,14 @@ def _read_hf_dir(path: pathlib.Path) -> tuple[tokenizers.Tokenizer, dict]:
       value = config.get(key)
       if isinstance(value, Mapping):  # an AddedToken written out as a dict
         value = value.get('content')
+      if key == 'chat_template' and isinstance(value, list):  # named templates: the default one
+        value = next((t['template'] for t in value if t.get('name') == 'default'), None)
       if value is not None:
         found[key] = value
     found['eos_ids'] = list(config.get('eos_ids', ()))
+  template_file = directory / CHAT_TEMPLATE_FILE
+  if template_file.exists():  # where transformers (>= 4.50) saves the template
+    found['chat_template'] = template_file.read_text()
   for name in ('generation_config.json', 'config.json'):
     cfg_file = directory / name
     if cfg_file.exists():
@@ -258,13 +277,14 @@ def tokenizer_from_gguf(path: str | os.PathLike) -> Tokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-  """A :class:`Tokenizer` from a GGUF file or an HF directory / ``tokenizer.json``.
+  """A :class:`Tokenizer` from a GGUF file, an HF directory / ``tokenizer.json``, or a Hugging
+  Face model id in the local Hugging Face cache.
 
   Raises:
-    FileNotFoundError: nothing at ``path``.
+    FileNotFoundError: nothing at ``path`` (for a model id: not in the local cache).
     CheckpointError: a GGUF file with an unsupported tokenizer model.
   """
-  path = pathlib.Path(path)
+  path = checkpoint_files.resolve(path)
   if path.suffix == '.gguf':
     if not path.is_file():
       raise FileNotFoundError(f'GGUF file {path} does not exist')

@@ -148,3 +148,24 @@ def test_config_reads_legacy_rope_theta():
   del hf['rope_parameters']
   hf['rope_theta'] = 12345.0
   assert hf_io.config_from_hf(hf).rope_theta == 12345.0
+
+
+def test_a_hub_model_id_resolves_through_the_local_cache(saved, tmp_path, monkeypatch):
+  """``load_target('org/name')`` finds the model in a Hugging Face cache laid out as the hub
+  writes it (models--org--name/refs/main -> snapshots/<commit>/), offline; an id that is not
+  cached is a FileNotFoundError saying where it looked and how to download it."""
+  constants = pytest.importorskip('huggingface_hub.constants')
+  target, path = saved
+  cache = tmp_path / 'hub'
+  commit = '0123456789abcdef0123456789abcdef01234567'
+  repo = cache / 'models--tiny-org--tiny-model'
+  shutil.copytree(path, repo / 'snapshots' / commit)
+  (repo / 'refs').mkdir()
+  (repo / 'refs' / 'main').write_text(commit)
+  monkeypatch.setattr(constants, 'HF_HUB_CACHE', str(cache))
+  monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+  monkeypatch.chdir(tmp_path)  # 'tiny-org/tiny-model' is no local path here
+  loaded = js.load_target('tiny-org/tiny-model')
+  assert loaded.cfg == target.cfg
+  with pytest.raises(FileNotFoundError, match=r'not in the local cache .*hub.*huggingface-cli'):
+    js.load_target('tiny-org/other-model')

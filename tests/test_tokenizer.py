@@ -1,11 +1,12 @@
 """``js.load_tokenizer``: the packaged SmolLM2 GGUF's tokenizer against transformers' own reading
 of the same file, GGUF pre-tokenizer types (tiny files written by the tests), an HF directory,
-stop ids, and bad paths."""
+stop ids, bad paths, and a transformers-saved directory with chat_template.jinja."""
 
 import json
 
 import numpy as np
 import pytest
+import tokenizers
 from tokenizers import pre_tokenizers
 
 import jetspec_jax as js
@@ -181,3 +182,43 @@ def test_gguf_pre_tokenizers_differ_and_unknown_types_are_errors(tmp_path):
   path = tiny_gguf_with_tokenizer(tmp_path / 'falcon.gguf', 'falcon')
   with pytest.raises(js.CheckpointError, match="pre-tokenizer type 'falcon' is not supported"):
     js.load_tokenizer(path)
+
+
+# A template that reads a variable beyond the standard ones, as Qwen3's reads enable_thinking.
+THINKING_TEMPLATE = (
+  '{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}'
+  '{% if add_generation_prompt %}<|assistant|>'
+  '{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}'
+  '{% endif %}'
+)
+
+
+def test_a_transformers_saved_directory_reads_chat_template_jinja(tmp_path):
+  """Current transformers saves the template as ``chat_template.jinja`` (not in
+  tokenizer_config.json); the loader reads it, and template keyword arguments reach the template
+  as transformers passes them."""
+  transformers = pytest.importorskip('transformers')
+  tokens, merges = byte_level_vocab()
+  backend = tokenizers.Tokenizer(
+    tokenizers.models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split()) for m in merges])
+  )
+  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  backend.decoder = tokenizers.decoders.ByteLevel()
+  theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token='<|endoftext|>')
+  theirs.chat_template = THINKING_TEMPLATE
+  theirs.save_pretrained(tmp_path)
+  assert (tmp_path / 'chat_template.jinja').exists()
+  assert 'chat_template' not in json.loads((tmp_path / 'tokenizer_config.json').read_text())
+  ours = js.load_tokenizer(tmp_path)
+  assert ours.chat_template == THINKING_TEMPLATE
+  messages = [{'role': 'user', 'content': 'hello world'}]
+  for kwargs in ({}, {'enable_thinking': False}, {'enable_thinking': True}):
+    want = theirs.apply_chat_template(
+      messages, tokenize=False, add_generation_prompt=True, **kwargs
+    )
+    assert ours.render_chat(messages, **kwargs) == want
+    assert ours.apply_chat_template(messages, **kwargs) == theirs.encode(
+      want, add_special_tokens=False
+    )
+  assert '<think></think>' in ours.render_chat(messages, enable_thinking=False)
+  assert '<think>' not in ours.render_chat(messages)

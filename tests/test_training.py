@@ -1,22 +1,25 @@
 """Draft-head training: blocks and masks, losses, the data-parallel step, resume, end to end."""
 
 import json
+import logging as py_logging
 import os
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
 import jetspec_jax as js
+from experiments import generate_data
 from experiments.configs import draft_tiny
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import blocks as blocks_lib
 from jetspec_jax.training import data as data_lib
 from jetspec_jax.training import head_trainer as train_lib
-from jetspec_jax.training import losses
+from jetspec_jax.training import loop, losses
 
 VOCAB = 97
 
@@ -282,6 +285,35 @@ def test_train_draft_binary_end_to_end(tmp_path):
   assert result['tau_after'] > result['tau_before'] + 0.3, result
   saved = json.loads((tmp_path / 'result.json').read_text())
   assert saved['tau_after'] == result['tau_after']
+  resolved = json.loads((tmp_path / 'config.json').read_text())  # the config as run
+  assert resolved['train']['steps'] == 120 and resolved['eval']['method']['name'] == 'tree'
+
+
+@pytest.mark.parametrize(
+  'change, message',
+  [
+    (lambda c: c.train.update(loss='kl'), "train.loss must be one of .* got 'kl'"),
+    (lambda c: c.train.update(labels='argmax'), 'train.labels must be one of'),
+    (lambda c: c.train.update(compute_dtype='float8'), 'compute_dtype'),
+    (lambda c: c.train.update(loss='dspark'), 'cannot train a jetspec head'),
+    (lambda c: c.head.update(markov_rank=8, causal=False), 'cannot train a dspark head'),
+    (lambda c: c.eval.method.update(name='beam'), 'method name must be one of'),
+    (
+      lambda c: setattr(c.eval, 'method', ml_collections.ConfigDict({'name': 'dspark'})),
+      'cannot run the jetspec head',
+    ),
+  ],
+)
+def test_a_bad_config_fails_before_any_work(change, message, tmp_path):
+  """Mistakes that used to surface after data generation (or hours of training) are errors
+  before the first target forward, in train_draft and in generate_data."""
+  config = draft_tiny.get_config('runlocal')
+  change(config)
+  with pytest.raises(ValueError, match=message):
+    train_lib.train_and_evaluate(config, str(tmp_path / 'train'))
+  with pytest.raises(ValueError, match=message):
+    generate_data.run(config, str(tmp_path / 'data'))
+  assert not (tmp_path / 'train' / 'checkpoints').exists() and not (tmp_path / 'data').exists()
 
 
 def test_stored_features_train_like_the_target_pass(target, head_cfg, dataset, tmp_path):
@@ -425,3 +457,36 @@ def test_resume_on_another_device_count_or_mesh():
     [sys.executable, '-c', RESUME_SCRIPT], capture_output=True, text=True, env=env, timeout=900
   )
   assert out.returncode == 0 and 'OK' in out.stdout, (out.stdout[-2000:], out.stderr[-4000:])
+
+
+def test_the_log_says_progress_and_orbax_stays_quiet(tmp_path, monkeypatch):
+  """Log lines give step/total, s/step, time left and the learning rate; Orbax's INFO lines (a
+  dozen per checkpoint) are dropped unless JETSPEC_ORBAX_LOGS is set."""
+  records = []
+
+  class Keep(py_logging.Handler):
+    def emit(self, record):
+      records.append(record)
+
+  handler = Keep(level=py_logging.INFO)
+  py_logging.getLogger().addHandler(handler)
+  monkeypatch.setattr(py_logging.getLogger(), 'level', py_logging.INFO)
+  optimizer = loop.make_optimizer(lr=1e-2, steps=3, warmup_steps=1)
+  state = loop.init_state({'w': jnp.ones(3)}, optimizer)
+
+  def step(state, batch, i):
+    return state.replace(step=state.step + 1), {'loss': jnp.float32(1.0)}
+
+  try:
+    schedule = loop.make_schedule(lr=1e-2, steps=3, warmup_steps=1)
+    loop.train_loop(
+      step, state, lambda s: None, tmp_path, steps=3, log_every=1, learning_rate=schedule
+    )
+  finally:
+    py_logging.getLogger().removeHandler(handler)
+  lines = [r.getMessage() for r in records if r.getMessage().startswith('step ')]
+  assert (
+    lines[0].startswith('step 1/3 (') and 'left)' in lines[0] and 'learning_rate 0.01' in lines[0]
+  )
+  assert lines[-1].startswith('step 3/3')
+  assert not [r for r in records if f'{os.sep}orbax{os.sep}' in r.pathname]

@@ -228,7 +228,7 @@ def test_bf16_compute_target_is_close_to_float32(target):
   ids = jnp.asarray(js.testing.random_ids(2, (1, 12), VOCAB))
   got, want = mixed.forward_logits(ids), target.forward_logits(ids)
   assert 0 < float(jnp.abs(got - want).max()) < 5e-2
-  with pytest.raises(TypeError):
+  with pytest.raises(ValueError, match='compute_dtype must be a float dtype name'):
     target.with_compute_dtype('not-a-dtype')
 
 

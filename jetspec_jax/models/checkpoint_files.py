@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -15,6 +16,40 @@ INDEX_FILE = 'model.safetensors.index.json'
 
 class CheckpointError(ValueError):
   """A checkpoint directory that cannot be read as the expected model."""
+
+
+# ``org/name``: a Hugging Face Hub model id (not a path that exists, not absolute, not relative).
+HUB_ID = re.compile(r'[A-Za-z0-9][\w.-]*/[\w.-]+')
+
+
+def resolve(path: str | os.PathLike) -> pathlib.Path:
+  """``path`` itself, or for a Hugging Face model id (``'Qwen/Qwen3-0.6B'``) that is not a local
+  path, its snapshot in the local Hugging Face cache (``huggingface_hub``, offline: nothing is
+  downloaded).
+
+  Raises:
+    FileNotFoundError: a model id that is not in the local cache, saying where it looked and how
+      to download it.
+  """
+  local = pathlib.Path(path)
+  if local.exists() or not HUB_ID.fullmatch(str(path)):
+    return local
+  try:
+    import huggingface_hub  # only for hub ids; an optional dependency
+    from huggingface_hub import constants
+  except ImportError as e:
+    raise FileNotFoundError(
+      f'{path} is not a local path, and resolving it as a Hugging Face model id needs '
+      'huggingface_hub (pip install huggingface_hub)'
+    ) from e
+  try:
+    return pathlib.Path(huggingface_hub.snapshot_download(str(path), local_files_only=True))
+  except Exception as e:  # the hub's own "not in the cache" errors differ by version
+    raise FileNotFoundError(
+      f'{path} is not a local path, and the Hugging Face model {path} is not in the local cache '
+      f'({constants.HF_HUB_CACHE}); download it first: huggingface-cli download {path} '
+      f'(or huggingface_hub.snapshot_download({str(path)!r}))'
+    ) from e
 
 
 def safetensor_files(path: pathlib.Path, prefix: str = 'model') -> list[pathlib.Path]:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import sharding
-from jetspec_jax.models import decoder, draft_head, gguf_io
+from jetspec_jax.models import checkpoint_files, decoder, draft_head, gguf_io
 from jetspec_jax.models.checkpoint_files import (  # noqa: F401  (re-exported)
   INDEX_FILE,
   SINGLE_FILE,
@@ -439,9 +439,10 @@ def load_target(
   """Loads a Hugging Face checkpoint directory or a GGUF file as a :class:`Target`.
 
   Args:
-    path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index), or a
+    path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index), a
       ``.gguf`` file (Llama / Qwen2 / Qwen3; converted once and cached, see
-      :mod:`jetspec_jax.models.gguf_io`).
+      :mod:`jetspec_jax.models.gguf_io`), or a Hugging Face model id (``'Qwen/Qwen3-0.6B'``)
+      already in the local Hugging Face cache.
     dtype: parameter and compute dtype (float32 for parity, bfloat16 on accelerators).
     attn_impl: ``'xla'``, ``'pallas'`` or ``'pallas_mosaic'`` (:mod:`pallas_kernels.dispatch`).
     mesh: a ``('data', 'model')`` mesh to place the parameters on (tensor-parallel over
@@ -454,7 +455,7 @@ def load_target(
   """
   if attn_impl not in decoder.ATTN_IMPLS:
     raise ValueError(f'attn_impl must be one of {decoder.ATTN_IMPLS}, got {attn_impl!r}')
-  path = pathlib.Path(path)
+  path = checkpoint_files.resolve(path)
   if path.suffix == '.gguf':
     path = gguf_io.cached_checkpoint(path)
   cfg = config_from_hf(read_config(path))
@@ -574,7 +575,7 @@ def load_draft_head(
     FileNotFoundError, CheckpointError: as :func:`load_target`; also when the head's hidden
       size, vocabulary or tap layers do not fit the target.
   """
-  path = pathlib.Path(path)
+  path = checkpoint_files.resolve(path)
   cfg = head_config_from_hf(read_config(path))
   try:
     draft_head.check_fits_target(cfg, target.cfg)

@@ -88,7 +88,12 @@ def resolve(compute_dtype) -> Any:
   """``None``/``'float32'`` -> None (plain matmuls); ``'bfloat16'`` etc. -> the dtype."""
   if compute_dtype is None:
     return None
-  dtype = jnp.dtype(compute_dtype)
+  try:
+    dtype = jnp.dtype(compute_dtype)
+  except TypeError as e:
+    raise ValueError(f'compute_dtype must be a float dtype name, got {compute_dtype!r}') from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f'compute_dtype must be a float dtype name, got {compute_dtype!r}')
   return None if dtype == jnp.float32 else dtype
 
 

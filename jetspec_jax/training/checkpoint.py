@@ -6,6 +6,7 @@ step 0); (3) scratch. Restores go against an abstract state (shapes, dtypes, sha
 checkpoint written on one device layout restores onto another.
 """
 
+import logging as py_logging
 import os
 import pathlib
 
@@ -13,8 +14,29 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+# Orbax logs a dozen INFO lines per save and restore through absl; they drown the training log.
+# Set JETSPEC_ORBAX_LOGS=1 to see them.
+ORBAX_LOGS_ENV = 'JETSPEC_ORBAX_LOGS'
+
+
+class _QuietOrbax(py_logging.Filter):
+  """Drops Orbax's records below WARNING (its source files live under ``orbax/``)."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    from_orbax = f'{os.sep}orbax{os.sep}' in record.pathname
+    return not from_orbax or record.levelno >= py_logging.WARNING
+
+
+def quiet_orbax() -> None:
+  """Installs the filter on absl's logger once (unless ``JETSPEC_ORBAX_LOGS`` is set)."""
+  logger = logging.get_absl_logger()
+  if os.environ.get(ORBAX_LOGS_ENV) or any(isinstance(f, _QuietOrbax) for f in logger.filters):
+    return
+  logger.addFilter(_QuietOrbax())
+
 
 def manager(workdir: str | os.PathLike, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
+  quiet_orbax()
   directory = pathlib.Path(workdir).absolute() / 'checkpoints'
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
   return ocp.CheckpointManager(directory, options=options)

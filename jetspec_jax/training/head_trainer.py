@@ -27,7 +27,13 @@ from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import blocks as blocks_lib
 from jetspec_jax.training import chat_data, losses
 from jetspec_jax.training import data as data_lib
-from jetspec_jax.training.loop import TrainState, init_state, make_optimizer, train_loop
+from jetspec_jax.training.loop import (
+  TrainState,
+  init_state,
+  make_optimizer,
+  make_schedule,
+  train_loop,
+)
 
 # The loss's hard labels: the data's tokens, or the target's argmax at every position (greedy
 # drafting's answer, also on sampled sequences; needs the features cache, data.compute_features).
@@ -456,6 +462,7 @@ def fit(
   draft_vocab=None,
   evaluate=None,
   eval_every: int = 0,
+  learning_rate=None,
 ) -> tuple[TrainState, list[dict]]:
   """Trains a draft head with :func:`~jetspec_jax.training.loop.train_loop`.
 
@@ -464,7 +471,8 @@ def fit(
   come from ``fold_in(key(seed + 1), s)``. The state is replicated over ``mesh``, and a
   checkpoint restores onto it from any device count or mesh. ``draft_vocab``: train over a
   reduced draft vocabulary (:func:`sequence_sums`); ``evaluate``/``eval_every``: held-out
-  metrics logged beside the training ones (:func:`make_heldout_eval`).
+  metrics logged beside the training ones (:func:`make_heldout_eval`); ``learning_rate``: the
+  optimizer's schedule, logged.
 
   Returns:
     (final state, logged metrics).
@@ -487,6 +495,7 @@ def fit(
     evaluate=evaluate,
     eval_every=eval_every,
     state_sharding=jax.sharding.NamedSharding(mesh, P()),
+    learning_rate=learning_rate,
   )
 
 
@@ -510,12 +519,60 @@ def load_target_from_config(target_config) -> decoder.Target:
   return decoder.Target(cfg=cfg, params=params)
 
 
+def head_kind_of(head_config) -> str:
+  """The kind of head a config's ``head`` section makes (:attr:`DraftHeadConfig.kind`)."""
+  if head_config.get('markov_rank', 0):
+    return 'dspark'
+  if head_config.get('refine', False):
+    return 'jetspecpp'
+  return 'jetspec' if head_config.causal else 'dflash'
+
+
+def check_config(config) -> None:
+  """Raises ValueError for a config that would fail after hours of data generation or training:
+  unknown loss, labels, compute dtype or evaluation method, a loss or method that does not fit
+  the head kind, stored feature taps that are not the head's."""
+  train = config.train
+  if train.loss not in losses.LOSSES:
+    raise ValueError(f'train.loss must be one of {losses.LOSSES}, got {train.loss!r}')
+  if train.get('labels', 'data') not in LABELS:
+    raise ValueError(f'train.labels must be one of {LABELS}, got {train.labels!r}')
+  matmul.resolve(train.get('compute_dtype'))
+  kind = head_kind_of(config.head)
+  if (kind == 'dspark') != (train.loss == 'dspark'):
+    raise ValueError(
+      f"train.loss={train.loss!r} cannot train a {kind} head (loss='dspark' trains exactly the "
+      'DSpark heads, head.markov_rank > 0)'
+    )
+  method = methods.from_config(config.eval.method)
+  if method.head_kinds and kind not in method.head_kinds:
+    raise ValueError(f'eval.method {method} cannot run the {kind} head this config trains')
+  taps, feature_taps = config.head.get('target_layer_ids'), config.data.get('feature_taps')
+  if taps and feature_taps and tuple(taps) != tuple(feature_taps):
+    raise ValueError(
+      f'data.feature_taps {tuple(feature_taps)} != head.target_layer_ids {tuple(taps)}'
+    )
+
+
+def save_resolved_config(config, workdir, name: str = 'config.json') -> pathlib.Path:
+  """Writes the config as run (flags applied) into ``workdir``, beside what it produced."""
+  path = pathlib.Path(workdir) / name
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(
+    config.to_json_best_effort(indent=2)
+    if hasattr(config, 'to_json_best_effort')
+    else json.dumps(dict(config), indent=2, default=str)
+  )
+  return path
+
+
 def train_and_evaluate(config, workdir: str) -> dict:
-  """Everything ``experiments/train_draft.py`` does: data, training, export, tau before/after."""
+  """Everything ``experiments/train_draft.py`` does: data, training, export, tau before/after.
+
+  The config is checked first (:func:`check_config`) and written to ``workdir/config.json``."""
   workdir_path = pathlib.Path(workdir)
-  if config.train.get('labels', 'data') not in LABELS:
-    raise ValueError(f'train.labels must be one of {LABELS}, got {config.train.labels!r}')
-  matmul.resolve(config.train.get('compute_dtype'))  # a bad dtype name fails before any work
+  check_config(config)
+  save_resolved_config(config, workdir_path)
   target = load_target_from_config(config.target)
   head_cfg = dh.config_for_target(
     target.cfg,
@@ -655,6 +712,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
     draft_vocab=draft_vocab,
     evaluate=evaluate,
     eval_every=config.eval.get('heldout_every', 0),
+    learning_rate=make_schedule(
+      lr=config.train.lr, steps=config.train.steps, warmup_steps=config.train.warmup_steps
+    ),
   )
   head = initial.replace(params=state.params)
   export_dir = workdir_path / 'export'

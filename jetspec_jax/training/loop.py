@@ -36,6 +36,19 @@ class TrainState:
     return dict(step=self.step, params=self.params, opt_state=self.opt_state)
 
 
+def make_schedule(
+  *, lr: float, steps: int, warmup_steps: int, final_lr_ratio: float = 0.0
+) -> optax.Schedule:
+  """Linear warmup to ``lr``, then cosine decay to ``lr * final_lr_ratio`` at ``steps``."""
+  return optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=lr,
+    warmup_steps=max(1, warmup_steps),
+    decay_steps=max(steps, warmup_steps + 1),
+    end_value=lr * final_lr_ratio,
+  )
+
+
 def make_optimizer(
   *,
   lr: float,
@@ -45,17 +58,23 @@ def make_optimizer(
   grad_clip: float = 1.0,
   final_lr_ratio: float = 0.0,
 ):
-  """AdamW with linear warmup + cosine decay and global-norm clipping."""
-  schedule = optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=lr,
-    warmup_steps=max(1, warmup_steps),
-    decay_steps=max(steps, warmup_steps + 1),
-    end_value=lr * final_lr_ratio,
+  """AdamW on :func:`make_schedule` with global-norm clipping."""
+  schedule = make_schedule(
+    lr=lr, steps=steps, warmup_steps=warmup_steps, final_lr_ratio=final_lr_ratio
   )
   return optax.chain(
     optax.clip_by_global_norm(grad_clip), optax.adamw(schedule, weight_decay=weight_decay)
   )
+
+
+def duration(seconds: float) -> str:
+  """``'1h05m'``, ``'4m10s'``, ``'12s'``."""
+  seconds = int(round(seconds))
+  if seconds >= 3600:
+    return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m'
+  if seconds >= 60:
+    return f'{seconds // 60}m{seconds % 60:02d}s'
+  return f'{seconds}s'
 
 
 def init_state(params, optimizer) -> TrainState:
@@ -103,6 +122,7 @@ def train_loop(
   eval_every: int = 0,
   max_to_keep: int = 3,
   state_sharding: jax.sharding.Sharding | None = None,
+  learning_rate: Callable[[int], Any] | None = None,
 ) -> tuple[TrainState, list[dict]]:
   """Runs ``step_fn`` from the resumed (or given) state to ``steps``.
 
@@ -123,6 +143,9 @@ def train_loop(
     state_sharding: where the state lives during the run (e.g. replicated over the training
       mesh); a checkpoint is restored straight onto it, whatever devices wrote it, so a run
       resumes on another device count or mesh.
+    learning_rate: the optimizer's schedule (``step -> lr``), logged as ``learning_rate``.
+
+  Each log line says the step out of the total, the seconds per step and the time left.
 
   Returns:
     (final state, the logged records).
@@ -143,6 +166,7 @@ def train_loop(
   history = []
   last = min(steps, stop_after) if stop_after is not None else steps
   tick, tokens = time.perf_counter(), 0
+  run_start, first = tick, int(state.step)
   try:
     for step in range(int(state.step), last):
       batch = batch_of(step)
@@ -157,13 +181,19 @@ def train_loop(
         record = dict(metrics)
         if tokens_of:
           record['tokens_per_s'] = tokens / max(elapsed, 1e-9)
+        if learning_rate is not None:
+          record['learning_rate'] = float(learning_rate(done))
         if evaluate is not None and (done == steps or (eval_every and done % eval_every == 0)):
           record.update(evaluate(state.params))
         writer.write(done, record)
         history.append({'step': done, **jax.tree.map(np.asarray, record)})
+        per_step = (time.perf_counter() - run_start) / (done - first)
         logging.info(
-          'step %d %s',
+          'step %d/%d (%.3g s/step, %s left) %s',
           done,
+          last,
+          per_step,
+          duration(per_step * (last - done)),
           ' '.join(f'{k} {float(v):.4g}' for k, v in record.items() if np.ndim(v) == 0),
         )
         tick, tokens = time.perf_counter(), 0
