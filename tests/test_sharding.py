@@ -28,8 +28,8 @@ for moe in (False, True):
   target = js.testing.tiny_target(0, moe=moe, **dims, **extra)
   head = js.testing.random_draft_head(target, block_size=5, seed=1)
   prompts = [np.arange(1, 10) % 64, np.arange(5, 9)]
-  want = [o.tokens for o in js.generate(target, head, prompts, max_new_tokens=16, budget=16,
-                                        width=3)]
+  tree = js.methods.Tree(budget=16, width=3)
+  want = [o.tokens for o in js.generate(target, head, prompts, max_new_tokens=16, method=tree)]
   opt = train_lib.make_optimizer(lr=1e-2, steps=4, warmup_steps=1)
   settings = train_lib.StepSettings(num_anchors=4, loss="fkl", loss_chunk=4)
   batch = dict(tokens=jnp.asarray(np.arange(4 * 24).reshape(4, 24) % 64, jnp.int32),
@@ -52,7 +52,7 @@ for moe in (False, True):
     h = head.replace(params=sharding.shard_params(head.params, mesh))
     q = t.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "model", None), q.sharding
-    got = [o.tokens for o in js.generate(t, h, prompts, max_new_tokens=16, budget=16, width=3)]
+    got = [o.tokens for o in js.generate(t, h, prompts, max_new_tokens=16, method=tree)]
     for a, b in zip(got, want):
       np.testing.assert_array_equal(a, b)
     params = train(t, mesh)

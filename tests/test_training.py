@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from absl import logging as absl_logging
 
 import jetspec_jax as js
 from experiments import generate_data
@@ -471,6 +472,8 @@ def test_the_log_says_progress_and_orbax_stays_quiet(tmp_path, monkeypatch):
   handler = Keep(level=py_logging.INFO)
   py_logging.getLogger().addHandler(handler)
   monkeypatch.setattr(py_logging.getLogger(), 'level', py_logging.INFO)
+  verbosity = absl_logging.get_verbosity()  # a pytest worker may start at WARNING
+  absl_logging.set_verbosity(absl_logging.INFO)
   optimizer = loop.make_optimizer(lr=1e-2, steps=3, warmup_steps=1)
   state = loop.init_state({'w': jnp.ones(3)}, optimizer)
 
@@ -484,6 +487,7 @@ def test_the_log_says_progress_and_orbax_stays_quiet(tmp_path, monkeypatch):
     )
   finally:
     py_logging.getLogger().removeHandler(handler)
+    absl_logging.set_verbosity(verbosity)
   lines = [r.getMessage() for r in records if r.getMessage().startswith('step ')]
   assert (
     lines[0].startswith('step 1/3 (') and 'left)' in lines[0] and 'learning_rate 0.01' in lines[0]
