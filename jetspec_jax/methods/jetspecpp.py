@@ -156,7 +156,7 @@ class JetSpecPP(Method):
 
   @property
   def keeps_history(self) -> bool:
-    return self.copy_len > 0
+    return self.tree.keeps_history
 
   def make_round(self, target, head):
     self.tree.make_round(target, head)

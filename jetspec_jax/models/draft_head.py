@@ -40,6 +40,16 @@ from jetspec_jax.models import decoder, matmul
 from jetspec_jax.typing import Array, Bool, Float, Int
 
 
+def head_kind(*, markov_rank: int, refine: bool, causal: bool) -> str:
+  """The kind of head these settings make (:attr:`DraftHeadConfig.kind`; also read from a
+  training config before any model exists)."""
+  if markov_rank:
+    return 'dspark'
+  if refine:
+    return 'jetspecpp'
+  return 'jetspec' if causal else 'dflash'
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftHeadConfig:
   """Architecture of a draft head. Hashable: a static ``jit`` argument.
@@ -102,11 +112,7 @@ class DraftHeadConfig:
   @property
   def kind(self) -> str:
     """``'dspark'``, ``'jetspecpp'``, ``'jetspec'`` (causal) or ``'dflash'`` (bidirectional)."""
-    if self.markov_rank:
-      return 'dspark'
-    if self.refine:
-      return 'jetspecpp'
-    return 'jetspec' if self.causal else 'dflash'
+    return head_kind(markov_rank=self.markov_rank, refine=self.refine, causal=self.causal)
 
   @property
   def max_depth(self) -> int:

@@ -519,15 +519,6 @@ def load_target_from_config(target_config) -> decoder.Target:
   return decoder.Target(cfg=cfg, params=params)
 
 
-def head_kind_of(head_config) -> str:
-  """The kind of head a config's ``head`` section makes (:attr:`DraftHeadConfig.kind`)."""
-  if head_config.get('markov_rank', 0):
-    return 'dspark'
-  if head_config.get('refine', False):
-    return 'jetspecpp'
-  return 'jetspec' if head_config.causal else 'dflash'
-
-
 def check_config(config) -> None:
   """Raises ValueError for a config that would fail after hours of data generation or training:
   unknown loss, labels, compute dtype or evaluation method, a loss or method that does not fit
@@ -538,7 +529,11 @@ def check_config(config) -> None:
   if train.get('labels', 'data') not in LABELS:
     raise ValueError(f'train.labels must be one of {LABELS}, got {train.labels!r}')
   matmul.resolve(train.get('compute_dtype'))
-  kind = head_kind_of(config.head)
+  kind = dh.head_kind(
+    markov_rank=config.head.get('markov_rank', 0),
+    refine=config.head.get('refine', False),
+    causal=config.head.causal,
+  )
   if (kind == 'dspark') != (train.loss == 'dspark'):
     raise ValueError(
       f"train.loss={train.loss!r} cannot train a {kind} head (loss='dspark' trains exactly the "
@@ -558,11 +553,7 @@ def save_resolved_config(config, workdir, name: str = 'config.json') -> pathlib.
   """Writes the config as run (flags applied) into ``workdir``, beside what it produced."""
   path = pathlib.Path(workdir) / name
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(
-    config.to_json_best_effort(indent=2)
-    if hasattr(config, 'to_json_best_effort')
-    else json.dumps(dict(config), indent=2, default=str)
-  )
+  path.write_text(config.to_json_best_effort(indent=2))
   return path
 
 
