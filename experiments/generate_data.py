@@ -5,6 +5,7 @@
 Writes token shards to ``config.data.dir`` (or DIR/data); re-running skips finished shards.
 """
 
+import functools
 import pathlib
 
 import jax
@@ -26,8 +27,11 @@ def run(config, workdir: str) -> list[pathlib.Path]:
     data_dir, counts = chat_data.generate_chat_dataset(config, target, tokenizer, workdir)
     logging.info('chat data: %s', counts)
     return sorted(data_dir.rglob('shard_*.npz'))
-  return data_lib.generate_from_config(
-    config, target, config.data.dir or pathlib.Path(workdir) / 'data'
+  return data_lib.generate_from_config(  # JSON-lines text / conversations: the chat template
+    config,
+    target,
+    config.data.dir or pathlib.Path(workdir) / 'data',
+    functools.partial(chat_data.tokenizer_for, config.target),
   )
 
 

@@ -4,6 +4,7 @@ Tiny random Llama models are written with the ``gguf`` package's writer (quantiz
 tensors) and loaded both by ``js.load_target`` and by transformers' own GGUF loader.
 """
 
+import dataclasses
 import json
 
 import gguf
@@ -89,6 +90,52 @@ def test_dequantize_matches_the_gguf_reference(qtype):
     assert not np.array_equal(got, values)  # the format really is lossy (not a pass-through)
 
 
+# K-quant block layouts: bytes per 256-value block and the byte offsets of its f16 scales.
+K_QUANT_SCALES = {
+  T.Q2_K: (84, (80, 82)),
+  T.Q3_K: (110, (108,)),
+  T.Q4_K: (144, (0, 2)),
+  T.Q5_K: (176, (0, 2)),
+  T.Q6_K: (210, (208,)),
+}
+
+
+def random_kquant_blocks(qtype, rows: int, cols: int, seed: int, std: float = 0.15) -> np.ndarray:
+  """``[rows, row bytes]`` random blocks of K-quant ``qtype`` whose values have about ``std``.
+
+  ``gguf.quants`` decodes K-quants but cannot encode them, so the blocks are random bytes with
+  their f16 super-block scales set; values are linear in those scales, which are then rescaled.
+  """
+  block_bytes, offsets = K_QUANT_SCALES[qtype]
+  rng = np.random.default_rng(seed)
+  blocks = rng.integers(0, 256, (rows * cols // 256, block_bytes), dtype=np.uint8)
+
+  def set_scales(value):
+    for o in offsets:
+      blocks[:, o : o + 2] = np.full((len(blocks), 1), value, np.float16).view(np.uint8)
+
+  set_scales(1e-3)
+  values = gguf.quants.dequantize(blocks.reshape(rows, -1), qtype)
+  set_scales(1e-3 * std / values.std())
+  return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize('qtype', [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1])
+def test_other_types_decode_through_gguf_quants(qtype):
+  """Types not decoded here go through ``gguf.quants`` (row by row, any tensor shape)."""
+  shape = (3, 2, 512)
+  if qtype in K_QUANT_SCALES:
+    raw = random_kquant_blocks(qtype, 6, 512, seed=int(qtype))
+  else:
+    raw = gguf.quants.quantize(np.random.default_rng(0).standard_normal((6, 512)), qtype)
+  got = gguf_io.dequantize(raw.reshape(-1), int(qtype), shape)
+  want = gguf.quants.dequantize(raw, qtype).reshape(shape)
+  np.testing.assert_array_equal(got, want)
+  assert got.dtype == np.float32 and 0.05 < got.std() < 2
+  with pytest.raises(ValueError, match='whole number'):
+    gguf_io.dequantize(raw.reshape(-1)[:-1], int(qtype), shape)
+
+
 def test_unpermute_inverts_llama_cpp_permutation():
   w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
   permuted = gguf_io.permute_qk(w, 8)
@@ -113,6 +160,102 @@ def test_gguf_logits_match_transformers_gguf_loading(tiny_gguf):
   print(f'gguf parity: max |logit diff| {np.abs(got - want).max():.3g}')
   assert np.abs(want).max() > 1.0
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+KQUANT_LLAMA = dict(TINY_LLAMA, hidden_size=256, intermediate_size=512, head_dim=64)
+# Every K-quant, as a Q4_K_M / Q5_K_M / Q6_K file mixes them (rows of 256 or 512 values).
+KQUANT_TYPES = {
+  'model.embed_tokens.weight': T.Q6_K,
+  'lm_head.weight': T.Q5_K,
+  'model.layers.0.self_attn.q_proj.weight': T.Q4_K,
+  'model.layers.0.self_attn.k_proj.weight': T.Q5_K,
+  'model.layers.0.self_attn.v_proj.weight': T.Q6_K,
+  'model.layers.0.self_attn.o_proj.weight': T.Q3_K,
+  'model.layers.0.mlp.gate_proj.weight': T.Q2_K,
+  'model.layers.0.mlp.up_proj.weight': T.Q4_K,
+  'model.layers.0.mlp.down_proj.weight': T.Q6_K,
+  'model.layers.1.self_attn.q_proj.weight': T.Q3_K,
+  'model.layers.1.mlp.down_proj.weight': T.Q4_K,
+}
+
+
+def test_k_quant_gguf_logits_match_transformers_gguf_loading(tmp_path):
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  pytest.importorskip('accelerate')
+  tensors = random_llama_tensors(KQUANT_LLAMA, seed=3)
+  for i, (name, qtype) in enumerate(KQUANT_TYPES.items()):
+    rows, cols = tensors[name].shape
+    tensors[name] = random_kquant_blocks(qtype, rows, cols, seed=i)
+  path = tmp_path / 'tiny-llama-kquants.gguf'
+  gguf_io.write_gguf(path, KQUANT_LLAMA, tensors, tensor_types=KQUANT_TYPES)
+  target = js.load_target(path)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+    str(tmp_path), gguf_file=path.name, dtype=torch.float32
+  ).eval()
+  ids = js.testing.random_ids(6, (2, 17), KQUANT_LLAMA['vocab_size'])
+  with torch.no_grad():
+    want = model(torch.from_numpy(ids).long()).logits.numpy()
+  got = np.asarray(target.forward_logits(ids))
+  print(f'K-quant gguf parity: max |logit diff| {np.abs(got - want).max():.3g}')
+  assert np.abs(want).max() > 5.0
+  np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)  # logits up to ~20, float32 sums
+
+
+LLAMA3_ROPE = dict(
+  rope_type='llama3',
+  factor=8.0,
+  low_freq_factor=1.0,
+  high_freq_factor=4.0,
+  original_max_position_embeddings=64,
+)
+
+
+def test_llama3_rope_freqs_gguf_matches_transformers(tmp_path):
+  """A Llama-3.1-style file carries its RoPE scaling as ``rope_freqs`` (llama.cpp's converter
+  formula); the loaded target matches transformers' model of the original config, and would
+  not without the scaling."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  hf = dict(TINY_LLAMA, rope_scaling=dict(LLAMA3_ROPE, rope_theta=TINY_LLAMA['rope_theta']))
+  tensors = random_llama_tensors(TINY_LLAMA, seed=4)
+  path = tmp_path / 'tiny-llama3.gguf'
+  gguf_io.write_gguf(path, hf, tensors)
+  assert 'rope_freqs.weight' in {t.name for t in gguf.GGUFReader(str(path)).tensors}
+  target = js.load_target(path)
+  assert target.cfg.rope_scaling is not None
+  np.testing.assert_allclose(
+    js.decoder.layers.rope_inv_freq(16, 10_000.0, target.cfg.rope_scaling),
+    js.decoder.layers.rope_inv_freq(16, 10_000.0, js.hf_io.rope_scaling_from_hf(hf)),
+    rtol=1e-6,
+  )
+  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf))
+  model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()})
+  ids = js.testing.random_ids(7, (1, 120), TINY_LLAMA['vocab_size'])  # past 64 positions
+  with torch.no_grad():
+    want = model.eval()(torch.from_numpy(ids).long()).logits.numpy()
+  got = np.asarray(target.forward_logits(ids))
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+  plain = js.load_target(gguf_io.cached_checkpoint(path)).cfg  # the same entry, scaled
+  assert plain.rope_scaling == target.cfg.rope_scaling
+  unscaled = js.Target(cfg=dataclasses.replace(target.cfg, rope_scaling=None), params=target.params)
+  assert np.abs(np.asarray(unscaled.forward_logits(ids)) - want).max() > 1e-2
+
+
+def test_llama3_scaling_is_recovered_from_llama_cpp_factors():
+  """Llama-3.1-8B's parameters (theta 5e5, head_dim 128) come back from the factors; factors no
+  llama3 scaling makes are refused."""
+  kw = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original=8192)
+  factors = gguf_io.llama_cpp_freq_factors(128, 500_000.0, **kw)
+  got = gguf_io.llama3_scaling_from_freq_factors(
+    factors, head_dim=128, theta=500_000.0, original=8192
+  )
+  assert got.factor == 8.0 and got.original_max_position_embeddings == 8192
+  assert got.low_freq_factor == pytest.approx(1.0, rel=1e-4)
+  assert got.high_freq_factor == pytest.approx(4.0, rel=1e-4)
+  for bad in (np.linspace(1, 8, 64)[::-1], np.full(64, 2.0), factors[:-1]):
+    with pytest.raises(js.CheckpointError, match='rope_freqs'):
+      gguf_io.llama3_scaling_from_freq_factors(bad, head_dim=128, theta=500_000.0, original=8192)
 
 
 def test_gguf_equals_its_dequantized_weights(tiny_gguf):
@@ -209,12 +352,17 @@ def test_unsupported_architecture_is_named(tmp_path):
     js.load_target(path)
 
 
-def test_unknown_tensor_type_is_named(tmp_path):
+def test_unknown_tensor_type_is_named(tmp_path, monkeypatch):
+  """A type neither this module nor the installed ``gguf`` decodes names the tensor and type."""
   cfg = dict(TINY_LLAMA, num_hidden_layers=1)
   tensors = random_llama_tensors(cfg, seed=1)
   path = tmp_path / 'q5.gguf'
   name = 'model.layers.0.mlp.up_proj.weight'
   gguf_io.write_gguf(path, cfg, tensors, tensor_types={name: T.Q5_0})
+  js.load_target(path)  # decoded by gguf.quants
+  traits = {k: v for k, v in gguf.quants._type_traits.items() if k != T.Q5_0}
+  monkeypatch.setattr(gguf.quants, '_type_traits', traits)  # an older gguf without Q5_0
+  monkeypatch.setenv('JETSPEC_JAX_CACHE', str(tmp_path / 'other_cache'))
   with pytest.raises(js.CheckpointError, match=r'blk\.0\.ffn_up\.weight has type Q5_0'):
     js.load_target(path)
 

@@ -1,5 +1,6 @@
 """Draft-head training: blocks and masks, losses, the data-parallel step, resume, end to end."""
 
+import functools
 import json
 import logging as py_logging
 import os
@@ -18,9 +19,9 @@ from experiments import generate_data
 from experiments.configs import draft_tiny
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import blocks as blocks_lib
+from jetspec_jax.training import chat_data, loop, losses
 from jetspec_jax.training import data as data_lib
 from jetspec_jax.training import head_trainer as train_lib
-from jetspec_jax.training import loop, losses
 
 VOCAB = 97
 
@@ -275,6 +276,115 @@ def test_prompts_from_jsonl(tmp_path):
   assert [p.tolist() for p in prompts] == [[1, 2, 3], [97, 98]]
 
 
+CONVERSATIONS = [  # the chat layout (a system turn, two answered user turns) and ShareGPT's
+  {
+    'messages': [
+      {'role': 'system', 'content': 'Be brief.'},
+      {'role': 'user', 'content': 'hello world'},
+      {'role': 'assistant', 'content': 'hi'},
+      {'role': 'user', 'content': 'def add(a, b):'},
+      {'role': 'assistant', 'content': 'return a + b'},
+    ]
+  },
+  {'conversations': [{'from': 'human', 'value': "It's 3.14"}, {'from': 'gpt', 'value': 'ok'}]},
+  {'conversations': [{'from': 'human', 'value': 'café?'}]},  # no answer yet: one prompt
+  {'prompt_ids': [5, 6, 7]},
+]
+CHAT_TEMPLATE = (
+  '{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}'
+  '{% if add_generation_prompt %}<assistant>{% endif %}'
+)
+
+
+def test_conversation_prompts_from_jsonl(tmp_path):
+  """One prompt per assistant turn (the turns before it), chat and ShareGPT layouts; bad records
+  are errors naming the line."""
+  path = tmp_path / 'c.jsonl'
+  path.write_text('\n'.join(json.dumps(r) for r in CONVERSATIONS) + '\n')
+  seen = []
+  chat = lambda messages: seen.append(messages) or [len(seen)]  # noqa: E731
+  prompts = data_lib.read_prompts_jsonl(path, chat=chat)
+  assert [p.tolist() for p in prompts] == [[1], [2], [3], [4], [5, 6, 7]]
+  system, user1, _, user2, _ = CONVERSATIONS[0]['messages']
+  assert seen == [
+    [system, user1],
+    CONVERSATIONS[0]['messages'][:4],
+    [{'role': 'user', 'content': "It's 3.14"}],
+    [{'role': 'user', 'content': 'café?'}],
+  ]
+  assert user2['role'] == 'user'
+  with pytest.raises(ValueError, match='c.jsonl:1 is a conversation but no chat template'):
+    data_lib.read_prompts_jsonl(path)
+  for line, match in [
+    ('{"conversations": [{"from": "robot", "value": "x"}]}', r'bad.jsonl:1, turn 0: want'),
+    ('{"messages": []}', 'not a non-empty list'),
+    ('{"text": "x"}', 'none of "prompt_ids", "prompt", "messages"'),
+    ('[1, 2]', 'not a JSON object'),
+    ('{"prompt": ', 'is not JSON'),
+  ]:
+    (tmp_path / 'bad.jsonl').write_text(line + '\n')
+    with pytest.raises(ValueError, match=match):
+      data_lib.read_prompts_jsonl(tmp_path / 'bad.jsonl', chat=chat)
+  with pytest.raises(FileNotFoundError, match='prompt file'):
+    data_lib.read_prompts_jsonl(tmp_path / 'missing.jsonl')
+
+
+def test_generate_data_and_train_from_jsonl_conversations(tmp_path):
+  """generate_data on a JSONL of conversations with a GGUF target: its own chat template formats
+  the prompts, its end-of-turn id stops the answers, greedy and sampled; train_draft reads the
+  file the same way."""
+  from tests.test_tokenizer import tiny_gguf_with_tokenizer
+
+  gguf_path = tiny_gguf_with_tokenizer(tmp_path / 'tiny.gguf', 'gpt2')
+  writer_meta = js.gguf_io.read_metadata(gguf_path)
+  assert 'tokenizer.chat_template' not in writer_meta
+  # The same file with a chat template: written again with it.
+  from tests.test_gguf import TINY_LLAMA, random_llama_tensors
+  from tests.test_tokenizer import byte_level_vocab
+
+  tokens, merges = byte_level_vocab()
+  cfg = dict(TINY_LLAMA, vocab_size=len(tokens))
+  meta = {
+    'tokenizer.ggml.model': 'gpt2',
+    'tokenizer.ggml.pre': 'gpt2',
+    'tokenizer.ggml.tokens': tokens,
+    'tokenizer.ggml.merges': merges,
+    'tokenizer.ggml.token_type': [1] * (len(tokens) - 1) + [3],
+    'tokenizer.ggml.eos_token_id': len(tokens) - 1,
+    'tokenizer.chat_template': CHAT_TEMPLATE,
+  }
+  js.gguf_io.write_gguf(gguf_path, cfg, random_llama_tensors(cfg), tokenizer_metadata=meta)
+  prompts_path = tmp_path / 'conversations.jsonl'
+  prompts_path.write_text('\n'.join(json.dumps(r) for r in CONVERSATIONS[:3] * 3) + '\n')
+  config = draft_tiny.get_config()
+  config.target.path = str(gguf_path)
+  config.head.target_layer_ids = (0, 1)
+  config.data.update(prompts=str(prompts_path), num_prompts=0, max_new_tokens=6, max_len=96)
+  config.data.update(shard_size=4, generate_batch=4, sampled_every=3, top_p=1.0)
+  config.data.temperature = 1.0
+  paths = generate_data.run(config, str(tmp_path / 'gen'))
+  tokenizer = js.load_tokenizer(gguf_path)
+  want = [tokenizer.apply_chat_template(m) for r in CONVERSATIONS[:3] * 3
+          for m in data_lib.turn_prompts(data_lib.conversation_messages(r))]  # fmt: skip
+  assert {p.parent.name for p in paths} == {'greedy', 'sampled'}
+  got, eos = [], tokenizer.eos_ids
+  for path in paths:
+    shard = np.load(path)
+    for row, mask, length in zip(shard['tokens'], shard['loss_mask'], shard['lengths']):
+      got.append(row[: int(np.argmax(mask))].tolist())
+      response = row[:length][mask[:length] == 1]
+      assert 1 <= len(response) <= 6 and not np.isin(response[:-1], list(eos)).any()
+  assert len(got) == len(want) == 12
+  assert sorted(got) == sorted(want)
+  assert tokenizer.decode(want[1]).startswith('<system>Be brief.\n<user>hello world\n<assistant>hi')
+  # train_draft reads the same file the same way (its evaluation prompts and data fallback).
+  load = functools.partial(chat_data.tokenizer_for, config.target)
+  again = data_lib.prompts_from_config(config.data, cfg['vocab_size'], load)
+  assert [p.tolist() for p in again] == want
+  config.data.max_prompt_len = 30  # longer prompts are dropped
+  assert len(data_lib.prompts_from_config(config.data, cfg['vocab_size'], load)) < len(want)
+
+
 def test_train_draft_binary_end_to_end(tmp_path):
   """The runlocal config: data, training with checkpoints, export, and a tau gain."""
   result = train_lib.train_and_evaluate(draft_tiny.get_config('runlocal'), str(tmp_path))
@@ -303,6 +413,8 @@ def test_train_draft_binary_end_to_end(tmp_path):
       lambda c: setattr(c.eval, 'method', ml_collections.ConfigDict({'name': 'dspark'})),
       'cannot run the jetspec head',
     ),
+    (lambda c: c.target.update(dtype='float16'), 'target.dtype must be one of'),
+    (lambda c: c.data.update(prompts='missing.jsonl'), 'data.prompts must be one of'),
   ],
 )
 def test_a_bad_config_fails_before_any_work(change, message, tmp_path):
@@ -315,6 +427,16 @@ def test_a_bad_config_fails_before_any_work(change, message, tmp_path):
   with pytest.raises(ValueError, match=message):
     generate_data.run(config, str(tmp_path / 'data'))
   assert not (tmp_path / 'train' / 'checkpoints').exists() and not (tmp_path / 'data').exists()
+
+
+def test_target_dtype_from_config():
+  """``target.dtype``: bfloat16 weights where asked; 'auto' is float32 on this CPU."""
+  config = draft_tiny.get_config().target
+  assert train_lib.target_dtype('auto') == jnp.float32  # the suite runs on CPU
+  assert train_lib.load_target_from_config(config).dtype == jnp.float32
+  config.dtype = 'bfloat16'
+  target = train_lib.load_target_from_config(config)
+  assert {x.dtype for x in jax.tree.leaves(target.params)} == {jnp.dtype(jnp.bfloat16)}
 
 
 def test_stored_features_train_like_the_target_pass(target, head_cfg, dataset, tmp_path):

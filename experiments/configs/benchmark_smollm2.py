@@ -16,6 +16,11 @@ the share of accepted drafts that only the copy branch held), T=0 and T=1, batch
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:copy \
       --workdir=benchmarks/smollm2_135m_copy
 
+A head trained with the new recipe (assets/README.md) against the shipped JetSpec head, T=0,
+budget 16, with and without copy candidates:
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:recipe \
+      --config.heads.recipe=runs/jetspec_r3_full/export --workdir=benchmarks/smollm2_135m_recipe
+
 Held-out chat-formatted prompts in three groups (code: HumanEval as a request; chat:
 ``EVAL_CHAT_INSTRUCTIONS``; math: ``EVAL_MATH_TEMPLATES``), disjoint from the heads' training
 prompts; decoding stops at the tokenizer's stop ids. The peer is transformers' own ``generate``
@@ -112,6 +117,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       'tree/jetspec/accum_logp/16/copy7',
       'tree/jetspec/accum_logp/8/copy4',
     )
+  if arg == 'recipe':  # a head of the new recipe (issue 28 runs) beside the shipped JetSpec head
+    config.heads = ml_collections.ConfigDict(
+      dict(
+        jetspec='assets/jetspec_head_smollm2_135m',
+        recipe='runs/jetspec_r3_full/export',  # --config.heads.recipe=<a train_draft export>
+      )
+    )
+    config.num_per_group = 3
+    config.budgets = (16,)
+    config.tree_algorithms = ('accum_logp',)
+    config.copy_lens = (0, 4, 7)
+    config.temperatures = (0.0,)
+    config.peers = ()
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
     config.budgets = (8, 16, 32)
     config.tree_algorithms = ('accum_logp',)

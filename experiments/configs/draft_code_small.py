@@ -24,7 +24,14 @@ from jetspec_jax import corpus
 def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
   config = draft_tiny.get_config()
   config.target = ml_collections.ConfigDict(
-    dict(path='assets/target_code_small', preset='', seed=0, param_scale=1.0, overrides={})
+    dict(
+      path='assets/target_code_small',
+      preset='',
+      seed=0,
+      param_scale=1.0,
+      overrides={},
+      dtype='auto',
+    )
   )
   config.head = ml_collections.ConfigDict(
     dict(

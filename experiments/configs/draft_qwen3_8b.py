@@ -8,8 +8,10 @@ Run (multi-GPU or TPU host; data-parallel over every device):
       --config.target.path=/ckpt/Qwen3-8B --config.data.prompts=/data/prompts.jsonl \
       --workdir=/runs/jetspec-8b
 
-Data it expects: ``prompts.jsonl`` with one ``{"prompt_ids": [...]}`` per line, the prompt already
-rendered with the Qwen3 chat template (non-thinking mode) and tokenized; the paper uses ~800K
+Data it expects: ``prompts.jsonl`` with one conversation per line (``{"messages": [...]}`` or
+ShareGPT's ``{"conversations": [...]}``; or ``{"prompt_ids": [...]}`` already rendered and
+tokenized), put in the target's chat template in non-thinking mode
+(``data.chat_template_kwargs``, docs/training.md §7); the paper uses ~800K
 prompts (Nemotron-Post-Training-Dataset-v2 code + math + samples of STEM/chat, plus CodeAlpaca).
 The target regenerates each response (greedy, up to 4096 tokens total). Head: 5 layers, taps
 [1, 9, 17, 25, 33], block 16, MASK id 151669, ~1.05B parameters; 512 anchors per sequence,
@@ -26,7 +28,8 @@ from experiments.configs import draft_tiny
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = draft_tiny.get_config()
   config.target = ml_collections.ConfigDict(
-    dict(path='', preset='', seed=0, param_scale=1.0, overrides={})
+    # dtype 'auto': bfloat16 weights on GPU / TPU (16 GB for 8B), float32 on CPU
+    dict(path='', preset='', seed=0, param_scale=1.0, overrides={}, dtype='auto')
   )
   config.head = ml_collections.ConfigDict(
     dict(
@@ -46,6 +49,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     shard_size=1024,
     generate_batch=64,
     temperature=0.0,
+    chat_template_kwargs={'enable_thinking': False},
   )
   config.train.update(
     num_anchors=512,

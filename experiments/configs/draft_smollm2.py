@@ -40,7 +40,9 @@ from jetspec_jax.models import gguf_io
 def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
   config = draft_tiny.get_config()
   config.target = ml_collections.ConfigDict(
-    dict(path='', preset='smollm2_135m_instruct', seed=0, param_scale=1.0, overrides={})
+    dict(
+      path='', preset='smollm2_135m_instruct', seed=0, param_scale=1.0, overrides={}, dtype='auto'
+    )
   )
   config.head = ml_collections.ConfigDict(
     dict(

@@ -15,7 +15,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.target = ml_collections.ConfigDict(
-    dict(path='', preset='tiny', seed=0, param_scale=1.0, overrides={'vocab_size': 97})
+    dict(
+      path='', preset='tiny', seed=0, param_scale=1.0, overrides={'vocab_size': 97}, dtype='auto'
+    )
   )
   config.head = ml_collections.ConfigDict(
     dict(

@@ -100,40 +100,9 @@ def generate_chat_dataset(
   )
   logging.info('%d usable self-written instructions', len(instructions))
   prompts = training_prompts(tokenizer, instructions, data_config, seed=config.seed)
-  every = data_config.sampled_every
-  kinds = {
-    'greedy': ([p for i, p in enumerate(prompts) if i % every], 0.0),
-    'sampled': ([p for i, p in enumerate(prompts) if not i % every], data_config.temperature),
-  }
   data_dir = pathlib.Path(data_config.dir or workdir / 'data')
-  size = data_config.shard_size
-  num_shards = {k: -(-len(p) // size) for k, (p, _) in kinds.items()}
-  for shard in range(max(num_shards.values())):
-    for kind, (kind_prompts, temperature) in kinds.items():
-      if shard >= num_shards[kind]:
-        continue
-      data_lib.generate_dataset(
-        target,
-        kind_prompts,
-        data_dir / kind,
-        max_len=data_config.max_len,
-        max_new_tokens=data_config.max_new_tokens,
-        shard_size=size,
-        batch_size=data_config.generate_batch,
-        temperature=temperature,
-        top_p=data_config.top_p if temperature else 1.0,
-        seed=config.seed,
-        eos=tokenizer.eos_ids,
-        progress=False,
-        shard_indices=[shard],
-        # With a features directory the features are recomputed from the tokens later
-        # (data.compute_features), so generation stores tokens only.
-        feature_taps=() if data_config.get('features_dir') else tuple(data_config.feature_taps),
-      )
-    logging.info('shard %d of %d done', shard + 1, max(num_shards.values()))
-  counts = dict(
-    instructions=len(instructions),
-    prompts=len(prompts),
-    **{f'{k}_prompts': len(p) for k, (p, _) in kinds.items()},
+  kinds = data_lib.generate_greedy_and_sampled(
+    target, prompts, data_dir, data_config, seed=config.seed, eos=tokenizer.eos_ids
   )
+  counts = dict(instructions=len(instructions), prompts=len(prompts), **kinds)
   return data_dir, counts

@@ -16,6 +16,7 @@ cache that one command rebuilds.
 """
 
 import collections
+import functools
 import json
 import os
 import pathlib
@@ -26,6 +27,7 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from tqdm import tqdm
 
 from jetspec_jax import corpus, decoding, rounds
@@ -43,38 +45,125 @@ def shard_paths(data_dir: str | os.PathLike) -> list[pathlib.Path]:
   return [p for p in paths if not p.name.endswith('.tmp.npz')]
 
 
-def read_prompts_jsonl(
-  path: str | os.PathLike, tokenize: Callable[[str], Sequence[int]] | None = None
-):
-  """Prompts from a JSON-lines file: ``{"prompt_ids": [...]}`` or ``{"prompt": "text"}``.
+# Conversations as users have them: the chat format (``{"messages": [{"role", "content"}]}``)
+# or ShareGPT's (``{"conversations": [{"from", "value"}]}``); ShareGPT speaker names -> roles.
+CONVERSATION_ROLES = {
+  'system': 'system',
+  'user': 'user',
+  'human': 'user',
+  'assistant': 'assistant',
+  'gpt': 'assistant',
+  'chatgpt': 'assistant',
+  'model': 'assistant',
+  'bing': 'assistant',
+  'bard': 'assistant',
+}
 
-  Text prompts need ``tokenize``.
+
+def conversation_messages(record: dict, where: str = 'record') -> list[dict] | None:
+  """``record``'s turns as ``[{'role', 'content'}]`` (chat or ShareGPT layout); None if it has
+  neither ``messages`` nor ``conversations``.
+
+  Raises:
+    ValueError: a turn without a known role or without text content.
   """
+  if 'messages' in record:
+    turns, role_key, text_key = record['messages'], 'role', 'content'
+  elif 'conversations' in record:
+    turns, role_key, text_key = record['conversations'], 'from', 'value'
+  else:
+    return None
+  if not isinstance(turns, list) or not turns:
+    raise ValueError(f'{where}: the conversation is not a non-empty list of turns')
+  messages = []
+  for i, turn in enumerate(turns):
+    role = CONVERSATION_ROLES.get(str(turn.get(role_key, '')).lower())
+    text = turn.get(text_key)
+    if role is None or not isinstance(text, str):
+      raise ValueError(
+        f'{where}, turn {i}: want {{{role_key!r}: one of {sorted(CONVERSATION_ROLES)}, '
+        f'{text_key!r}: text}}, got {turn!r:.200}'
+      )
+    messages.append({'role': role, 'content': text})
+  return messages
+
+
+def turn_prompts(messages: list[dict]) -> list[list[dict]]:
+  """The prompts of one conversation, each answered by the target: for every assistant turn, the
+  messages before it (earlier assistant turns as the data gives them: they are context, like the
+  sampled sequences), and the whole conversation if it ends with a user turn."""
+  prompts = [messages[:i] for i, m in enumerate(messages) if m['role'] == 'assistant' and i]
+  if messages[-1]['role'] == 'user':
+    prompts.append(messages)
+  return [p for p in prompts if any(m['role'] == 'user' for m in p)]
+
+
+def read_prompts_jsonl(
+  path: str | os.PathLike,
+  tokenize: Callable[[str], Sequence[int]] | None = None,
+  *,
+  chat: Callable[[list[dict]], Sequence[int]] | None = None,
+) -> list[np.ndarray]:
+  """Prompts from a JSON-lines file, one record per line, in any of these layouts:
+
+  * ``{"prompt_ids": [...]}``: token ids, used as they are;
+  * ``{"prompt": "text"}``: raw text, encoded by ``tokenize``;
+  * ``{"messages": [{"role": ..., "content": ...}, ...]}`` or ShareGPT's
+    ``{"conversations": [{"from": "human" | "gpt" | "system", "value": ...}, ...]}``: one prompt
+    per assistant turn (:func:`turn_prompts`), put in the target's chat format by ``chat``
+    (messages -> ids with the assistant turn opened); the target writes the answers.
+
+  Raises:
+    FileNotFoundError: no file at ``path``.
+    ValueError: a record in no known layout, or text without ``tokenize`` / ``chat``.
+  """
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f'prompt file {path} does not exist')
   prompts = []
   with open(path) as f:
     for line_no, line in enumerate(f, 1):
       if not line.strip():
         continue
-      record = json.loads(line)
-      if 'prompt_ids' in record:
+      where = f'{path}:{line_no}'
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{where} is not JSON: {e}') from e
+      if not isinstance(record, dict):
+        raise ValueError(f'{where} is not a JSON object')
+      messages = conversation_messages(record, where)
+      if messages is not None:
+        if chat is None:
+          raise ValueError(
+            f"{where} is a conversation but no chat template (the target's) was given"
+          )
+        prompts.extend(np.asarray(chat(m), np.int32) for m in turn_prompts(messages))
+      elif 'prompt_ids' in record:
         prompts.append(np.asarray(record['prompt_ids'], np.int32))
       elif 'prompt' in record:
         if tokenize is None:
-          raise ValueError(f'{path}:{line_no} has a text prompt but no tokenizer was given')
+          raise ValueError(f'{where} has a text prompt but no tokenizer was given')
         prompts.append(np.asarray(tokenize(record['prompt']), np.int32))
       else:
-        raise ValueError(f'{path}:{line_no} has neither "prompt_ids" nor "prompt"')
+        raise ValueError(f'{where} has none of "prompt_ids", "prompt", "messages", "conversations"')
   return prompts
 
 
-def prompts_from_config(data_config, vocab_size: int) -> list[np.ndarray]:
+def prompts_from_config(
+  data_config, vocab_size: int, load_tokenizer: Callable[[], Tokenizer] | None = None
+) -> list[np.ndarray]:
   """Training prompts from ``data_config.prompts``.
 
   * ``'random'``: ``num_prompts`` random prompts with lengths in ``prompt_len``;
   * ``'stdlib_functions'``: signatures + docstrings of documented functions in the standard
     library's training split (not the held-out ``validation_modules``), tokenized with the
     tokenizer at ``tokenizer``;
-  * otherwise a JSON-lines path (see :func:`read_prompts_jsonl`).
+  * otherwise a JSON-lines path (see :func:`read_prompts_jsonl`): text and conversations are
+    encoded by the target's tokenizer (``load_tokenizer``, called only if the file has text)
+    and its chat template, rendered with ``data_config.chat_template_kwargs`` (e.g.
+    ``enable_thinking=False`` for Qwen3). Prompts longer than ``max_prompt_len`` (if set) are
+    dropped.
   """
   if data_config.prompts == 'stdlib_functions':
     train_files, _ = corpus.stdlib_files(tuple(data_config.validation_modules))
@@ -90,7 +179,22 @@ def prompts_from_config(data_config, vocab_size: int) -> list[np.ndarray]:
       rng.integers(0, vocab_size, size=rng.integers(lo, hi + 1), dtype=np.int32)
       for _ in range(data_config.num_prompts)
     ]
-  return read_prompts_jsonl(data_config.prompts)[: data_config.num_prompts or None]
+  tokenize = chat = None
+  if load_tokenizer is not None:
+    tokenizer = functools.cache(load_tokenizer)
+    kwargs = dict(data_config.get('chat_template_kwargs') or {})
+    tokenize = lambda text: tokenizer().encode(text)  # noqa: E731
+    chat = lambda messages: tokenizer().apply_chat_template(messages, True, **kwargs)  # noqa: E731
+  prompts = read_prompts_jsonl(data_config.prompts, tokenize, chat=chat)
+  longest = data_config.get('max_prompt_len') or 0
+  if longest:
+    prompts = [p for p in prompts if len(p) <= longest]
+  prompts = [p for p in prompts if len(p)]
+  if not prompts:
+    raise ValueError(
+      f'{data_config.prompts} gives no prompt (of at most {longest or "any"} tokens)'
+    )
+  return prompts[: data_config.get('num_prompts') or None]
 
 
 def generate_dataset(
@@ -178,11 +282,71 @@ def generate_dataset(
   return paths
 
 
-def generate_from_config(config, target: decoder.Target, data_dir) -> list[pathlib.Path]:
-  """:func:`generate_dataset` with the prompts and settings of an experiment config."""
+def generate_greedy_and_sampled(
+  target: decoder.Target, prompts: Sequence[np.ndarray], data_dir, data_config, *, seed: int, eos
+) -> dict[str, int]:
+  """Answers ``prompts`` into ``data_dir/greedy`` and ``data_dir/sampled``: every
+  ``sampled_every``-th prompt sampled at ``temperature`` (top-p ``top_p``), the rest greedily.
+
+  Shards of the two kinds are produced alternately, so a partial dataset already mixes both; a
+  re-run skips finished shards. Returns the number of prompts of each kind.
+  """
+  data_dir = pathlib.Path(data_dir)
+  every = data_config.sampled_every
+  kinds = {
+    'greedy': ([p for i, p in enumerate(prompts) if i % every], 0.0),
+    'sampled': ([p for i, p in enumerate(prompts) if not i % every], data_config.temperature),
+  }
+  size = data_config.shard_size
+  num_shards = {k: -(-len(p) // size) for k, (p, _) in kinds.items()}
+  for shard in range(max(num_shards.values())):
+    for kind, (kind_prompts, temperature) in kinds.items():
+      if shard >= num_shards[kind]:
+        continue
+      generate_dataset(
+        target,
+        kind_prompts,
+        data_dir / kind,
+        max_len=data_config.max_len,
+        max_new_tokens=data_config.max_new_tokens,
+        shard_size=size,
+        batch_size=data_config.generate_batch,
+        temperature=temperature,
+        top_p=data_config.get('top_p', 1.0) if temperature else 1.0,
+        seed=seed,
+        eos=eos,
+        progress=False,
+        shard_indices=[shard],
+        # With a features directory the features are recomputed from the tokens later
+        # (compute_features), so generation stores tokens only.
+        feature_taps=()
+        if data_config.get('features_dir')
+        else tuple(data_config.get('feature_taps') or ()),
+      )
+    logging.info('shard %d of %d done', shard + 1, max(num_shards.values()))
+  return {f'{k}_prompts': len(p) for k, (p, _) in kinds.items()}
+
+
+def generate_from_config(
+  config, target: decoder.Target, data_dir, load_tokenizer: Callable[[], Tokenizer] | None = None
+) -> list[pathlib.Path]:
+  """:func:`generate_dataset` with the prompts and settings of an experiment config.
+
+  With ``data.sampled_every`` set, the responses are split greedy / sampled
+  (:func:`generate_greedy_and_sampled`). Text and conversation prompts use the target's
+  tokenizer (``load_tokenizer``), whose end-of-turn ids also stop the responses.
+  """
+  tokenizer = functools.cache(load_tokenizer) if load_tokenizer is not None else None
+  prompts = prompts_from_config(config.data, target.cfg.vocab_size, tokenizer)
+  eos = None
+  if tokenizer is not None and tokenizer.cache_info().currsize:  # it was needed: chat prompts
+    eos = tokenizer().eos_ids
+  if config.data.get('sampled_every'):
+    generate_greedy_and_sampled(target, prompts, data_dir, config.data, seed=config.seed, eos=eos)
+    return shard_paths(data_dir)
   return generate_dataset(
     target,
-    prompts_from_config(config.data, target.cfg.vocab_size),
+    prompts,
     data_dir,
     max_len=config.data.max_len,
     max_new_tokens=config.data.max_new_tokens,
@@ -190,6 +354,7 @@ def generate_from_config(config, target: decoder.Target, data_dir) -> list[pathl
     batch_size=config.data.generate_batch,
     temperature=config.data.temperature,
     seed=config.seed,
+    eos=eos,
   )
 
 
