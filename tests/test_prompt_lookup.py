@@ -181,3 +181,27 @@ def test_bad_copy_settings(target, heads, prompts):
     )
   with pytest.raises(ValueError, match='no node for the head'):
     js.methods.Tree(budget=3, width=2, copy_len=3)
+
+
+def test_copy_baseline_metrics_by_hand():
+  """The teacher-forced copy baseline (what a head's held-out metrics are compared with),
+  worked out by hand: prompt ``7 1 2 3 4``, response ``9 1 2 3 4 9 1 2``, blocks of 4."""
+  from jetspec_jax.training import copy_baseline
+
+  tokens = np.asarray([[7, 1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 0, 0]])
+  batch = dict(
+    tokens=tokens,
+    loss_mask=np.asarray([[0] * 5 + [1] * 8 + [0] * 2]),
+    lengths=np.asarray([13]),
+  )
+  got = copy_baseline.copy_metrics(batch, block_size=4, max_ngram=3)
+  # Anchors 5..11; anchor 5 (the first 9) has no earlier match, every other copy is right
+  # until the sequence ends.
+  assert got['anchors'] == 7
+  np.testing.assert_allclose(got['accuracy'], [6 / 7, 5 / 6, 4 / 5])
+  np.testing.assert_allclose(got['expected_tau'], 1 + (0 + 3 + 3 + 3 + 3 + 2 + 1) / 7)
+  labels = tokens.copy()
+  labels[0, 7] = 5  # the target's argmax differs from the data at position 7
+  got = copy_baseline.copy_metrics(dict(batch, labels=labels), block_size=4, max_ngram=3)
+  np.testing.assert_allclose(got['accuracy'][0], 5 / 7)  # anchor 6 now misses
+  np.testing.assert_allclose(got['expected_tau'], 1 + (0 + 0 + 3 + 3 + 3 + 2 + 1) / 7)

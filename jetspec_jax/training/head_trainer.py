@@ -26,7 +26,7 @@ from jetspec_jax.methods import dspark
 from jetspec_jax.models import decoder, gguf_io, hf_io, matmul
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import blocks as blocks_lib
-from jetspec_jax.training import chat_data, losses
+from jetspec_jax.training import chat_data, copy_baseline, losses
 from jetspec_jax.training import data as data_lib
 from jetspec_jax.training.loop import (
   TrainState,
@@ -684,6 +684,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
       draft_vocab,
       seed=config.seed,
     )
+    # What the head must beat on the same sequences: copying from the context.
+    copy = copy_baseline.copy_metrics(heldout_batch, block_size=head_cfg.block_size)
+    logging.info(
+      'held-out copy baseline (prompt lookup, n <= 3): accuracy by depth %s, expected tau %.3f',
+      np.round(copy['accuracy'], 3).tolist(),
+      copy['expected_tau'],
+    )
   if config.train.init_from:
     init_params = hf_io.load_draft_head(config.train.init_from, target).params
   else:
@@ -745,6 +752,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
     num_tokens=source.num_tokens,
   )
   result.update(tau_before=tau_before, tau_after=mean_tau(head))
+  if heldout_shards:
+    result['heldout_copy_baseline'] = dict(
+      accuracy=copy['accuracy'].tolist(), expected_tau=copy['expected_tau']
+    )
   logging.info('tau before %.3f after %.3f', result['tau_before'], result['tau_after'])
   (workdir_path / 'result.json').write_text(
     json.dumps({k: v for k, v in result.items() if k != 'history'}, indent=2)

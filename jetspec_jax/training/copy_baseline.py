@@ -1,0 +1,81 @@
+"""The zero-parameter drafter a head must beat: copying from the context (prompt lookup).
+
+:func:`copy_metrics` scores, teacher-forced on stored sequences, the drafts of
+:func:`jetspec_jax.prompt_lookup.continuation` exactly as the training metrics score a head's
+block (:func:`jetspec_jax.training.head_trainer.sums_metrics`): at every valid anchor ``a`` the
+draft's ``k``-th token is compared with the label of position ``a + k`` (the data's token, or the
+target's argmax there), slots past the response or past the first invalid one do not count, a
+slot the copy cannot fill (the match has fewer tokens after it) counts as wrong, and the expected
+chain tau is one plus the mean leading run of correct slots. Every valid anchor is scored (the
+head's metrics sample anchors uniformly from the same set), so the two read side by side.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax import prompt_lookup
+from jetspec_jax.training import blocks as blocks_lib
+
+
+@functools.partial(jax.jit, static_argnames=('block_size', 'max_ngram'))
+def _sequence_counts(tokens, labels, loss_mask, length, *, block_size: int, max_ngram: int):
+  seq_len = tokens.shape[0]
+  anchors = jnp.arange(seq_len)
+  keep = blocks_lib.valid_anchor_positions(loss_mask, length)
+  depth = jnp.arange(1, block_size)
+
+  def one(a):
+    draft, count, _ = prompt_lookup.continuation(
+      tokens, a, max_ngram=max_ngram, length=block_size - 1
+    )
+    positions = a + depth
+    in_range = positions < length
+    gathered = jnp.clip(positions, 0, seq_len - 1)
+    valid = in_range & (loss_mask[gathered] > 0)
+    valid = jnp.cumprod(valid).astype(bool)  # cut at the first invalid slot, as blocks_at does
+    correct = valid & (depth <= count) & (draft == labels[gathered])
+    return correct, valid, jnp.sum(jnp.cumprod(correct))
+
+  correct, valid, run = jax.vmap(one)(anchors)
+  keep2 = keep[:, None]
+  return (
+    jnp.sum(correct & keep2, 0),
+    jnp.sum(valid & keep2, 0),
+    jnp.sum(jnp.where(keep, run, 0)),
+    jnp.sum(keep),
+  )
+
+
+def copy_metrics(batch: dict, *, block_size: int, max_ngram: int = 3) -> dict:
+  """Per-depth accuracy (depth 1 .. ``block_size - 1``) and expected chain tau of copy drafts.
+
+  Args:
+    batch: ``tokens [B, L]``, ``loss_mask [B, L]``, ``lengths [B]`` and, optionally,
+      ``labels [B, L]`` (the target's argmax; else the tokens are the labels).
+    block_size: the head's block size (its drafts are ``block_size - 1`` tokens).
+    max_ngram: the longest context suffix matched.
+  """
+  labels = batch.get('labels', batch['tokens'])
+  totals = None
+  for tokens, label, mask, length in zip(
+    batch['tokens'], labels, batch['loss_mask'], batch['lengths']
+  ):
+    counts = _sequence_counts(
+      jnp.asarray(tokens, jnp.int32),
+      jnp.asarray(label, jnp.int32),
+      jnp.asarray(mask),
+      jnp.asarray(length, jnp.int32),
+      block_size=block_size,
+      max_ngram=max_ngram,
+    )
+    counts = [np.asarray(c, np.int64) for c in counts]
+    totals = counts if totals is None else [t + c for t, c in zip(totals, counts)]
+  correct, count, accepted, blocks = totals
+  return dict(
+    accuracy=correct / np.maximum(count, 1),
+    expected_tau=1.0 + accepted / max(int(blocks), 1),
+    anchors=int(blocks),
+  )
