@@ -414,6 +414,8 @@ def test_train_draft_binary_end_to_end(tmp_path):
       'cannot run the jetspec head',
     ),
     (lambda c: c.target.update(dtype='float16'), 'target.dtype must be one of'),
+    (lambda c: c.head.update(target_layer_ids=(0, 9)), r'taps target layers \[9\], outside'),
+    (lambda c: c.head.update(mask_token_id=97), 'mask_token_id=97 is outside the vocabulary'),
     (lambda c: c.data.update(prompts='missing.jsonl'), 'data.prompts must be one of'),
   ],
 )
