@@ -385,6 +385,24 @@ def test_generate_data_and_train_from_jsonl_conversations(tmp_path):
   assert len(data_lib.prompts_from_config(config.data, cfg['vocab_size'], load)) < len(want)
 
 
+def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
+  """With ``data.sampled_every`` the data splits into greedy/ and sampled/; the first greedy shard
+  is held out, its metrics are logged, and the copy baseline on it lands in result.json."""
+  config = draft_tiny.get_config('runlocal')
+  config.data.update(sampled_every=4, shard_size=8, top_p=1.0)
+  config.eval.update(heldout_shards=1, heldout_sequences=4, heldout_anchors=8, heldout_every=5)
+  config.eval.update(num_prompts=1, max_new_tokens=8)
+  config.train.update(steps=10, log_every=5, checkpoint_every=10)
+  train_lib.train_and_evaluate(config, str(tmp_path))
+  shards = sorted(p.relative_to(tmp_path / 'data').as_posix() for p in tmp_path.rglob('*.npz'))
+  assert shards[0] == 'greedy/shard_00000.npz' and 'sampled/shard_00000.npz' in shards
+  result = json.loads((tmp_path / 'result.json').read_text())
+  copy = result['heldout_copy_baseline']
+  assert len(copy['accuracy']) == config.head.block_size - 1 and copy['expected_tau'] >= 1.0
+  last = json.loads((tmp_path / 'metrics.jsonl').read_text().splitlines()[-1])
+  assert last['step'] == 10 and 0.0 <= last['heldout_accuracy/depth1'] <= 1.0
+
+
 def test_train_draft_binary_end_to_end(tmp_path):
   """The runlocal config: data, training with checkpoints, export, and a tau gain."""
   result = train_lib.train_and_evaluate(draft_tiny.get_config('runlocal'), str(tmp_path))
