@@ -100,7 +100,7 @@ def _dequantize_with_gguf(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...
     qtype = gguf.GGMLQuantizationType(ggml_type)
   except ValueError:
     raise NotImplementedError(type_name(ggml_type)) from None
-  if qtype not in gguf.quants._type_traits:  # the package's table of the types it decodes
+  if qtype not in gguf.GGML_QUANT_SIZES:
     raise NotImplementedError(qtype.name)
   block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
   if shape[-1] % block:
@@ -109,7 +109,11 @@ def _dequantize_with_gguf(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...
   row_bytes = shape[-1] // block * block_bytes
   if rows.size % row_bytes:
     raise ValueError(f'{rows.size} bytes is not a whole number of {row_bytes}-byte rows')
-  return gguf.quants.dequantize(rows.reshape(-1, row_bytes), qtype).astype(np.float32)
+  try:
+    values = gguf.quants.dequantize(rows.reshape(-1, row_bytes), qtype)
+  except NotImplementedError:  # a type this gguf version cannot decode
+    raise NotImplementedError(qtype.name) from None
+  return values.astype(np.float32)
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
