@@ -143,19 +143,24 @@ def test_unpermute_inverts_llama_cpp_permutation():
   np.testing.assert_array_equal(gguf_io.unpermute_qk(permuted, 8), w)
 
 
-def test_gguf_logits_match_transformers_gguf_loading(tiny_gguf):
+def transformers_gguf_logits(path, ids: np.ndarray) -> np.ndarray:
+  """Logits of transformers' own loading of the GGUF file ``path`` (float32)."""
   torch = pytest.importorskip('torch')
   transformers = pytest.importorskip('transformers')
   pytest.importorskip('accelerate')
-  path, _ = tiny_gguf
-  target = js.load_target(path)
-  assert target.cfg.model_type == 'llama' and not target.cfg.qk_norm
   model = transformers.AutoModelForCausalLM.from_pretrained(
     str(path.parent), gguf_file=path.name, dtype=torch.float32
   ).eval()
-  ids = js.testing.random_ids(5, (2, 19), TINY_LLAMA['vocab_size'])
   with torch.no_grad():
-    want = model(torch.from_numpy(ids).long()).logits.numpy()
+    return model(torch.from_numpy(ids).long()).logits.numpy()
+
+
+def test_gguf_logits_match_transformers_gguf_loading(tiny_gguf):
+  path, _ = tiny_gguf
+  target = js.load_target(path)
+  assert target.cfg.model_type == 'llama' and not target.cfg.qk_norm
+  ids = js.testing.random_ids(5, (2, 19), TINY_LLAMA['vocab_size'])
+  want = transformers_gguf_logits(path, ids)
   got = np.asarray(target.forward_logits(ids))
   print(f'gguf parity: max |logit diff| {np.abs(got - want).max():.3g}')
   assert np.abs(want).max() > 1.0
@@ -180,9 +185,6 @@ KQUANT_TYPES = {
 
 
 def test_k_quant_gguf_logits_match_transformers_gguf_loading(tmp_path):
-  torch = pytest.importorskip('torch')
-  transformers = pytest.importorskip('transformers')
-  pytest.importorskip('accelerate')
   tensors = random_llama_tensors(KQUANT_LLAMA, seed=3)
   for i, (name, qtype) in enumerate(KQUANT_TYPES.items()):
     rows, cols = tensors[name].shape
@@ -190,12 +192,8 @@ def test_k_quant_gguf_logits_match_transformers_gguf_loading(tmp_path):
   path = tmp_path / 'tiny-llama-kquants.gguf'
   gguf_io.write_gguf(path, KQUANT_LLAMA, tensors, tensor_types=KQUANT_TYPES)
   target = js.load_target(path)
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-    str(tmp_path), gguf_file=path.name, dtype=torch.float32
-  ).eval()
   ids = js.testing.random_ids(6, (2, 17), KQUANT_LLAMA['vocab_size'])
-  with torch.no_grad():
-    want = model(torch.from_numpy(ids).long()).logits.numpy()
+  want = transformers_gguf_logits(path, ids)
   got = np.asarray(target.forward_logits(ids))
   print(f'K-quant gguf parity: max |logit diff| {np.abs(got - want).max():.3g}')
   assert np.abs(want).max() > 5.0

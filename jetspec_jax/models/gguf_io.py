@@ -313,9 +313,8 @@ def llama3_scaling_from_freq_factors(
   )
   if factor <= 1.0 + tol or not keep.any():
     raise error
-  if (
-    band.sum() >= 2
-  ):  # s = a * x + b on the band: a = original / (high - low), b = -low / (high - low)
+  # On the band s = a * x + b, with a = original / (high - low) and b = -low / (high - low).
+  if band.sum() >= 2:
     s = (1.0 / factors[band] - 1.0 / factor) / (1.0 - 1.0 / factor)
     a, b = np.polyfit(x[band], s, 1)
     span = original / a
@@ -549,18 +548,20 @@ def write_gguf(
   writer.add_value_length(head_dim)
   writer.add_rope_dimension_count(head_dim)
   writer.add_file_type(1)
-  rope = dict(hf_config.get('rope_parameters') or hf_config.get('rope_scaling') or {})
-  if rope.get('rope_type', rope.get('type')) == 'llama3':
+  from jetspec_jax.models import hf_io  # hf_io imports this module
+
+  scaling = hf_io.rope_scaling_from_hf(hf_config)  # the config reader's own rope rules
+  if scaling is not None:
     if arch != 'llama':
       raise ValueError(f'llama3 rope scaling in a {arch!r} model cannot be written as GGUF')
-    original = int(rope['original_max_position_embeddings'])
+    original = scaling.original_max_position_embeddings
     writer.add_uint32(f'{arch}.rope.scaling.original_context_length', original)
     factors = llama_cpp_freq_factors(
       head_dim,
       float(hf_config.get('rope_theta', 10_000.0)),
-      factor=float(rope['factor']),
-      low_freq_factor=float(rope['low_freq_factor']),
-      high_freq_factor=float(rope['high_freq_factor']),
+      factor=scaling.factor,
+      low_freq_factor=scaling.low_freq_factor,
+      high_freq_factor=scaling.high_freq_factor,
       original=original,
     )
     writer.add_tensor(ROPE_FREQS, factors)
