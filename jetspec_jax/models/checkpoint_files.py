@@ -10,6 +10,8 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from jetspec_jax.models.decoder.config import RopeScaling
+
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
 
@@ -123,3 +125,35 @@ def read_config(path: pathlib.Path) -> dict:
     return json.loads(cfg_file.read_text())
   except json.JSONDecodeError as e:
     raise CheckpointError(f'{cfg_file} is not valid JSON: {e}') from e
+
+
+def _rope_params(hf: Mapping) -> dict:
+  return dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
+
+
+def rope_theta_from_hf(hf: Mapping) -> float:
+  """RoPE theta from ``rope_parameters`` (transformers >= 5) or ``rope_theta``."""
+  theta = _rope_params(hf).get('rope_theta', hf.get('rope_theta'))
+  if theta is None:
+    raise CheckpointError('config.json gives no rope_theta (nor rope_parameters.rope_theta)')
+  return float(theta)
+
+
+def rope_scaling_from_hf(hf: Mapping, *, allow_scaling: bool = True) -> RopeScaling | None:
+  """``None`` for default RoPE, a :class:`RopeScaling` for ``rope_type: llama3``."""
+  params = _rope_params(hf)
+  rope_type = params.get('rope_type', params.get('type', 'default'))
+  if rope_type in ('default', None):
+    return None
+  if rope_type != 'llama3' or not allow_scaling:
+    supported = "'default' or 'llama3'" if allow_scaling else "'default'"
+    raise CheckpointError(f'rope_type {rope_type!r} is not supported (only {supported})')
+  try:
+    return RopeScaling(
+      factor=float(params['factor']),
+      low_freq_factor=float(params['low_freq_factor']),
+      high_freq_factor=float(params['high_freq_factor']),
+      original_max_position_embeddings=int(params['original_max_position_embeddings']),
+    )
+  except KeyError as e:
+    raise CheckpointError(f'llama3 rope scaling lacks {e.args[0]!r}') from e

@@ -39,7 +39,7 @@ import shutil
 import numpy as np
 
 from jetspec_jax.models import decoder
-from jetspec_jax.models.checkpoint_files import CheckpointError, write_tensors
+from jetspec_jax.models.checkpoint_files import CheckpointError, rope_scaling_from_hf, write_tensors
 from jetspec_jax.models.decoder.layers import rope_inv_freq
 
 # Bump when the conversion's output changes, so stale cache entries are not reused.
@@ -548,9 +548,7 @@ def write_gguf(
   writer.add_value_length(head_dim)
   writer.add_rope_dimension_count(head_dim)
   writer.add_file_type(1)
-  from jetspec_jax.models import hf_io  # hf_io imports this module
-
-  scaling = hf_io.rope_scaling_from_hf(hf_config)  # the config reader's own rope rules
+  scaling = rope_scaling_from_hf(hf_config)  # the config reader's own rope rules
   if scaling is not None:
     if arch != 'llama':
       raise ValueError(f'llama3 rope scaling in a {arch!r} model cannot be written as GGUF')

@@ -43,6 +43,8 @@ from jetspec_jax.models.checkpoint_files import (  # noqa: F401  (re-exported)
   CheckpointError,
   read_config,
   read_tensors,
+  rope_scaling_from_hf,
+  rope_theta_from_hf,
   safetensor_files,
   write_tensors,
 )
@@ -53,38 +55,6 @@ SUPPORTED_ARCHITECTURES = {
 
 
 # Config.
-
-
-def _rope_params(hf: Mapping) -> dict:
-  return dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
-
-
-def rope_theta_from_hf(hf: Mapping) -> float:
-  """RoPE theta from ``rope_parameters`` (transformers >= 5) or ``rope_theta``."""
-  theta = _rope_params(hf).get('rope_theta', hf.get('rope_theta'))
-  if theta is None:
-    raise CheckpointError('config.json gives no rope_theta (nor rope_parameters.rope_theta)')
-  return float(theta)
-
-
-def rope_scaling_from_hf(hf: Mapping, *, allow_scaling: bool = True) -> decoder.RopeScaling | None:
-  """``None`` for default RoPE, a :class:`RopeScaling` for ``rope_type: llama3``."""
-  params = _rope_params(hf)
-  rope_type = params.get('rope_type', params.get('type', 'default'))
-  if rope_type in ('default', None):
-    return None
-  if rope_type != 'llama3' or not allow_scaling:
-    supported = "'default' or 'llama3'" if allow_scaling else "'default'"
-    raise CheckpointError(f'rope_type {rope_type!r} is not supported (only {supported})')
-  try:
-    return decoder.RopeScaling(
-      factor=float(params['factor']),
-      low_freq_factor=float(params['low_freq_factor']),
-      high_freq_factor=float(params['high_freq_factor']),
-      original_max_position_embeddings=int(params['original_max_position_embeddings']),
-    )
-  except KeyError as e:
-    raise CheckpointError(f'llama3 rope scaling lacks {e.args[0]!r}') from e
 
 
 def rope_params_to_hf(cfg) -> dict:
