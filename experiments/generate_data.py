@@ -20,7 +20,9 @@ from jetspec_jax.training import head_trainer as train_lib
 
 def run(config, workdir: str) -> list[pathlib.Path]:
   train_lib.check_config(config)  # the training that follows would fail: before any generation
-  target = train_lib.load_target_from_config(config.target)
+  # Each process generates its own shards on its own devices (tensor parallel over them).
+  mesh = train_lib.local_mesh_from_config(config)
+  target = train_lib.load_target_from_config(config.target, mesh)
   train_lib.head_config(config.head, target.cfg)  # the head must fit the target: before the data
   train_lib.save_resolved_config(config, workdir, 'generate_config.json')
   if config.data.prompts == 'chat_mix':  # an instruct target: prompts made offline, 2 stages

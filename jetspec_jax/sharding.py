@@ -7,10 +7,12 @@ over ``'data'``. Norm scales and small tensors are replicated, and so is any dim
 parameters placed, ``jit`` propagates the shardings through generation and training (GSPMD).
 """
 
+import os
 import re
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -52,23 +54,57 @@ def _fit(spec: P, shape, mesh: Mesh) -> P:
   return P(*fitted)
 
 
-def param_specs(params, mesh: Mesh):
-  """A PartitionSpec for every leaf of a target or draft-head parameter pytree."""
+def _add_fsdp(spec: P, shape, mesh: Mesh) -> P:
+  """``spec`` with ``'data'`` also on the largest dimension ``'data'`` divides (alone, or after
+  the ``'model'`` axis already there), for matrices and larger; vectors and scalars stay as
+  they are."""
+  size = mesh.shape['data']
+  parts = list(spec) + [None] * (len(shape) - len(spec))
+  if len(shape) < 2 or size == 1 or 'data' in parts:
+    return spec
+  # An axis of size 1 splits nothing: its dimension counts as free.
+  parts = [axis if axis is None or mesh.shape[axis] > 1 else None for axis in parts]
+  split = [1 if axis is None else mesh.shape[axis] for axis in parts]
+  fits = [i for i in range(len(shape)) if shape[i] % (split[i] * size) == 0]
+  if not fits:
+    return spec
+  best = max(fits, key=lambda i: shape[i] // split[i])
+  parts[best] = 'data' if parts[best] is None else (parts[best], 'data')
+  return P(*parts)
+
+
+def param_specs(params, mesh: Mesh, *, fsdp: bool = False):
+  """A PartitionSpec for every leaf of a target or draft-head parameter pytree (or of any pytree
+  whose leaf paths end like theirs: an optimizer state's moments get their parameters' specs).
+
+  With ``fsdp`` every matrix is also split over ``'data'`` (FSDP / ZeRO-3: ``jit`` gathers a
+  weight where it is used), so that no device holds a whole copy: how training holds the frozen
+  target, the head and its optimizer state.
+  """
 
   def spec(path, leaf):
-    name = '/'.join(str(getattr(k, 'key', k)) for k in path)
+    name = '/'.join(str(getattr(k, 'key', getattr(k, 'name', k))) for k in path)
     for pattern, rule in RULES:
       if re.search(pattern, name):
-        return _fit(rule, leaf.shape, mesh)
+        fitted = _fit(rule, leaf.shape, mesh)
+        return _add_fsdp(fitted, leaf.shape, mesh) if fsdp else fitted
     return P()
 
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def shard_params(params, mesh: Mesh):
-  """Places ``params`` on ``mesh`` by :data:`RULES`."""
-  specs = param_specs(params, mesh)
-  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+def named(specs, mesh: Mesh):
+  """NamedShardings on ``mesh`` for a pytree of PartitionSpecs."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_params(params, mesh: Mesh, *, fsdp: bool = False):
+  """Places ``params`` on ``mesh`` by :data:`RULES` (and FSDP over ``'data'``, see
+  :func:`param_specs`). ``mesh`` may span processes: every process passes the same values and
+  keeps the shards of its own devices."""
+  if jax.process_count() > 1:
+    params = to_host(params)  # arrays of one process's devices cannot move onto another's
+  return jax.device_put(params, named(param_specs(params, mesh, fsdp=fsdp), mesh))
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
@@ -76,14 +112,57 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, P('data', *([None] * (ndim - 1))))
 
 
-def maybe_initialize_distributed(force: bool = False) -> bool:
-  """Calls ``jax.distributed.initialize()`` when asked (``force``) or when the environment
-  names a coordinator (``JAX_COORDINATOR_ADDRESS``, or a multi-task SLURM job). Call it before
-  anything touches the devices. Returns whether it initialized."""
-  import os
+def local_mesh(model: int = 1) -> Mesh:
+  """A mesh of this process's own devices (independent work per host: data generation)."""
+  return make_mesh(model=model, devices=jax.local_devices())
 
-  multi_task_slurm = int(os.environ.get('SLURM_NTASKS', '1')) > 1
-  if force or os.environ.get('JAX_COORDINATOR_ADDRESS') or multi_task_slurm:
-    jax.distributed.initialize()
-    return True
-  return False
+
+def is_main_process() -> bool:
+  """Process 0 writes what exists once per run: metrics, exports, configs, results."""
+  return jax.process_index() == 0
+
+
+def to_host(tree):
+  """NumPy copies of a pytree of arrays, also of arrays that span processes (replicated ones
+  are read locally; others are gathered from every process)."""
+
+  def one(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      if x.sharding.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+  return jax.tree.map(one, tree)
+
+
+def sync(name: str) -> None:
+  """Waits until every process reaches ``name`` (a no-op in one process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def maybe_initialize_distributed(
+  force: bool = False,
+  *,
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+) -> bool:
+  """Calls ``jax.distributed.initialize`` when asked (``force``), when given a coordinator, or
+  when the environment names one (``JAX_COORDINATOR_ADDRESS``, with ``JAX_NUM_PROCESSES`` and
+  ``JAX_PROCESS_ID`` where the cluster is not auto-detected; or a multi-task SLURM job). CPU
+  processes talk through gloo. Call it before anything touches the devices. Returns whether it
+  initialized."""
+  env = os.environ
+  coordinator_address = coordinator_address or env.get('JAX_COORDINATOR_ADDRESS')
+  if num_processes is None and env.get('JAX_NUM_PROCESSES'):
+    num_processes = int(env['JAX_NUM_PROCESSES'])
+  if process_id is None and env.get('JAX_PROCESS_ID'):
+    process_id = int(env['JAX_PROCESS_ID'])
+  multi_task_slurm = int(env.get('SLURM_NTASKS', '1')) > 1
+  if not (force or coordinator_address or multi_task_slurm):
+    return False
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU only; else unused
+  jax.distributed.initialize(coordinator_address, num_processes, process_id)
+  return True

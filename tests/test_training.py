@@ -206,7 +206,8 @@ def test_nan_guard(target, head_cfg, dataset, tmp_path):
 
 
 def test_two_device_step_equals_single_device(dataset):
-  """On 2 fake CPU devices the data-parallel step equals the 1-device step (same global batch)."""
+  """On 2 fake CPU devices the data-parallel, FSDP and tensor-parallel steps (the last with
+  micro-batches and anchor chunks) equal the 1-device step on the same global batch."""
   script = f'''
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -221,18 +222,28 @@ cfg = dh.config_for_target(target.cfg, num_layers=1, block_size=6, target_layer_
 batches = data_lib.make_batches(data_lib.TokenShards("{dataset[0]}", max_len=40), 4, seed=0)
 opt = train_lib.make_optimizer(lr=3e-3, steps=10, warmup_steps=1)
 settings = train_lib.StepSettings(num_anchors=8, loss="fkl", loss_chunk=8)
+import dataclasses
 results = []
-for n in (1, 2):
-  step = train_lib.make_train_step(target, cfg, opt, settings, js.sharding.make_mesh(n))
+# (data, model, fsdp, micro_batches, anchor_chunk): data parallel, FSDP, tensor parallel with
+# accumulated micro-batches and chunked anchors; all compute the 1-device step.
+for data, model, fsdp, micro, chunk in ((1, 1, False, 1, 0), (2, 1, False, 1, 0),
+                                        (2, 1, True, 1, 0), (1, 2, False, 2, 4)):
+  mesh = js.sharding.make_mesh(data, model)
+  s = dataclasses.replace(settings, micro_batches=micro, anchor_chunk=chunk)
+  step = train_lib.make_train_step(target, cfg, opt, s, mesh, fsdp=fsdp)
   state = train_lib.init_state(dh.init_head_params(cfg, jax.random.key(0)), opt)
-  for s in range(3):
-    state, metrics = step(state, batches[s], jax.random.key(s))
+  state = jax.device_put(state, step.state_shardings(state))
+  for i in range(3):
+    state, metrics = step(state, batches[i], jax.random.key(i))
     jax.block_until_ready(state)
-  results.append((jax.device_get(state.params), float(metrics["loss"])))
-(p1, l1), (p2, l2) = results
-assert abs(l1 - l2) < 1e-5, (l1, l2)
-jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), p1, p2)
-print("OK", l1, l2)
+  leaf = jax.tree.leaves(state.params)[0]
+  results.append((jax.device_get(state.params), float(metrics["loss"]), leaf.sharding.spec))
+(p1, l1, _), *others = results
+for p2, l2, spec in others:
+  assert abs(l1 - l2) < 1e-5, (l1, l2)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), p1, p2)
+assert "data" in str(results[2][2]), results[2][2]  # FSDP split the head over 'data'
+print("OK", [r[1] for r in results])
 '''
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
   out = subprocess.run(
@@ -381,6 +392,10 @@ def test_generate_data_and_train_from_jsonl_conversations(tmp_path):
   load = functools.partial(chat_data.tokenizer_for, config.target)
   again = data_lib.prompts_from_config(config.data, cfg['vocab_size'], load)
   assert [p.tolist() for p in again] == want
+  # One read gives both the prompts and their stop ids (the tokenizer's end of turn).
+  read, stops = data_lib.prompts_and_stops(config.data, cfg['vocab_size'], load)
+  assert [p.tolist() for p in read] == want and stops == tokenizer.eos_ids
+  assert data_lib.prompts_and_stops(draft_tiny.get_config().data, 97, load)[1] is None
   config.data.max_prompt_len = 30  # longer prompts are dropped
   assert len(data_lib.prompts_from_config(config.data, cfg['vocab_size'], load)) < len(want)
 

@@ -1,6 +1,7 @@
 """The paper's recipe for a Qwen3-8B JetSpec head (docs/draft_head.md §1, docs/training.md §7).
 
-Run (multi-GPU or TPU host; data-parallel over every device):
+Run (8 chips: tensor parallel over all of them, ``mesh.model``; per-device memory in the
+README's table, ``experiments/memory_plan.py``):
   python -m experiments.generate_data --config=experiments/configs/draft_qwen3_8b.py \
       --config.target.path=/ckpt/Qwen3-8B --config.data.prompts=/data/prompts.jsonl \
       --workdir=/runs/jetspec-8b
@@ -47,7 +48,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     max_new_tokens=4096 - 512,
     max_len=4096,
     shard_size=1024,
-    generate_batch=64,
+    generate_batch=32,  # the KV cache of 32 x 4096 tokens: 2.4 GiB per device on 8
     temperature=0.0,
     chat_template_kwargs={'enable_thinking': False},
   )
@@ -56,8 +57,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     loss='fkl',
     temperature=1.0,
     gamma=0.0,
-    loss_chunk=64,
+    loss_chunk=16,
     global_batch=16,
+    # Per-device memory on 8 x 16 GiB (the README's table, experiments/memory_plan.py): tensor
+    # parallel over 8 devices, one sequence at a time, 16 anchors at a time.
+    micro_batches=16,
+    anchor_chunk=16,
+    compute_dtype='bfloat16',
     steps=6 * 800_000 // 16,
     lr=3e-4,
     warmup_steps=int(0.04 * 6 * 800_000 // 16),
@@ -66,6 +72,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     log_every=50,
     checkpoint_every=2000,
   )
+  config.mesh.update(model=8)
   config.eval.update(num_prompts=32, max_new_tokens=256)
   config.eval.method = ml_collections.ConfigDict(dict(name='tree', budget=256, width=7))
   return config

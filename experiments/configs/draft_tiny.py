@@ -62,8 +62,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       checkpoint_every=100,
       init_from='',
       stop_after=None,
+      micro_batches=1,  # the global batch as accumulated slices (memory; same step)
+      anchor_chunk=0,  # a sequence's anchors this many at a time (memory; 0: all at once)
     )
   )
+  # The device mesh (sharding.py): tensor parallel over 'model' (the target and the head, by the
+  # inference partition rules), data parallel over the remaining devices; fsdp also splits
+  # every weight and optimizer moment over 'data'.
+  config.mesh = ml_collections.ConfigDict(dict(model=1, fsdp=False))
   config.eval = ml_collections.ConfigDict(
     dict(num_prompts=8, max_new_tokens=32, method=dict(name='tree', budget=16, width=4))
   )

@@ -8,11 +8,11 @@ checkpoint written on one device layout restores onto another.
 
 import logging as py_logging
 import os
-import pathlib
 
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
 # Orbax logs a dozen INFO lines per save and restore through absl; they drown the training log.
 # Set JETSPEC_ORBAX_LOGS=1 to see them.
@@ -37,7 +37,9 @@ def quiet_orbax() -> None:
 
 def manager(workdir: str | os.PathLike, *, max_to_keep: int = 3) -> ocp.CheckpointManager:
   quiet_orbax()
-  directory = pathlib.Path(workdir).absolute() / 'checkpoints'
+  directory = epath.Path(workdir) / 'checkpoints'
+  if '://' not in str(workdir):  # a local path (gs:// and the like stay as they are)
+    directory = directory.absolute()
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
   return ocp.CheckpointManager(directory, options=options)
 

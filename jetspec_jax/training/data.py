@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from jetspec_jax import corpus, decoding, rounds
+from jetspec_jax import corpus, decoding, rounds, sharding
 from jetspec_jax import prompts as prompts_lib
 from jetspec_jax.models import decoder
 from jetspec_jax.tokenizer import Tokenizer
@@ -228,7 +228,9 @@ def generate_dataset(
     top_p: nucleus filtering when sampling.
     seed: sampling seed (folded with the shard index).
     eos: stop token id or ids (defaults to the target's).
-    shard_indices: generate only these shards (default: all).
+    shard_indices: generate only these shards (default: all). With several processes
+      (multi-host), process ``i`` of ``n`` writes shards ``i, i + n, ...`` of those, on its own
+      devices; callers wait for the others (:func:`generate_from_config` does).
     feature_taps: also store each token's target features (taps of these layers + final
       hidden state, float16) collected during generation, so training needs no target pass
       (``shard_*.features.npy``, see :func:`write_shard`).
@@ -250,7 +252,8 @@ def generate_dataset(
     path = out_dir / SHARD_PATTERN.format(shard_idx)
     paths.append(path)
     chunk = prompts[first : first + shard_size]
-    if path.exists() or (only is not None and shard_idx not in only):  # done, or not asked for
+    not_ours = shard_idx % jax.process_count() != jax.process_index()  # another host's shard
+    if path.exists() or (only is not None and shard_idx not in only) or not_ours:
       bar.update(len(chunk))
       continue
     sequences, masks, features = [], [], []
@@ -327,35 +330,54 @@ def generate_greedy_and_sampled(
   return {f'{k}_prompts': len(p) for k, (p, _) in kinds.items()}
 
 
+def prompts_and_stops(
+  data_config, vocab_size: int, load_tokenizer: Callable[[], Tokenizer] | None = None
+) -> tuple[list[np.ndarray], tuple[int, ...] | None]:
+  """:func:`prompts_from_config`, and the tokenizer's end-of-turn ids when the prompts needed
+  the tokenizer (text and conversations: their answers stop there), else None."""
+  tokenizer = functools.cache(load_tokenizer) if load_tokenizer is not None else None
+  prompts = prompts_from_config(data_config, vocab_size, tokenizer)
+  eos = None
+  if tokenizer is not None and tokenizer.cache_info().currsize:  # it was needed: chat prompts
+    eos = tokenizer().eos_ids
+  return prompts, eos
+
+
 def generate_from_config(
-  config, target: decoder.Target, data_dir, load_tokenizer: Callable[[], Tokenizer] | None = None
+  config,
+  target: decoder.Target,
+  data_dir,
+  load_tokenizer: Callable[[], Tokenizer] | None = None,
+  *,
+  prompts: Sequence[np.ndarray] | None = None,
+  eos=None,
 ) -> list[pathlib.Path]:
   """:func:`generate_dataset` with the prompts and settings of an experiment config.
 
   With ``data.sampled_every`` set, the responses are split greedy / sampled
   (:func:`generate_greedy_and_sampled`). Text and conversation prompts use the target's
-  tokenizer (``load_tokenizer``), whose end-of-turn ids also stop the responses.
+  tokenizer (``load_tokenizer``), whose end-of-turn ids also stop the responses
+  (:func:`prompts_and_stops`; or pass ``prompts`` and ``eos`` already read).
   """
-  tokenizer = functools.cache(load_tokenizer) if load_tokenizer is not None else None
-  prompts = prompts_from_config(config.data, target.cfg.vocab_size, tokenizer)
-  eos = None
-  if tokenizer is not None and tokenizer.cache_info().currsize:  # it was needed: chat prompts
-    eos = tokenizer().eos_ids
+  if prompts is None:
+    prompts, eos = prompts_and_stops(config.data, target.cfg.vocab_size, load_tokenizer)
   if config.data.get('sampled_every'):
     generate_greedy_and_sampled(target, prompts, data_dir, config.data, seed=config.seed, eos=eos)
-    return shard_paths(data_dir)
-  return generate_dataset(
-    target,
-    prompts,
-    data_dir,
-    max_len=config.data.max_len,
-    max_new_tokens=config.data.max_new_tokens,
-    shard_size=config.data.shard_size,
-    batch_size=config.data.generate_batch,
-    temperature=config.data.temperature,
-    seed=config.seed,
-    eos=eos,
-  )
+  else:
+    generate_dataset(
+      target,
+      prompts,
+      data_dir,
+      max_len=config.data.max_len,
+      max_new_tokens=config.data.max_new_tokens,
+      shard_size=config.data.shard_size,
+      batch_size=config.data.generate_batch,
+      temperature=config.data.temperature,
+      seed=config.seed,
+      eos=eos,
+    )
+  sharding.sync('data generated')  # every host's shards are written
+  return shard_paths(data_dir)
 
 
 def features_path(

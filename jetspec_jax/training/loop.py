@@ -21,8 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
+from etils import epath
 from tensorboardX import SummaryWriter
 
+from jetspec_jax import sharding
 from jetspec_jax.training import checkpoint as ckpt
 
 
@@ -83,13 +85,17 @@ def init_state(params, optimizer) -> TrainState:
 
 class MetricWriter:
   """Metrics to ``workdir/metrics.jsonl`` and TensorBoard event files; vectors become
-  ``name/depth{i+1}`` scalars."""
+  ``name/depth{i+1}`` scalars. Only process 0 writes (the others' records are the same)."""
 
-  def __init__(self, workdir: pathlib.Path):
-    self._jsonl = open(workdir / 'metrics.jsonl', 'a')
-    self._tb = SummaryWriter(str(workdir / 'tensorboard'))
+  def __init__(self, workdir: epath.Path):
+    self._active = sharding.is_main_process()
+    if self._active:
+      self._jsonl = (workdir / 'metrics.jsonl').open('a')
+      self._tb = SummaryWriter(str(workdir / 'tensorboard'))
 
   def write(self, step: int, metrics: dict) -> None:
+    if not self._active:
+      return
     flat = {}
     for name, value in metrics.items():
       value = np.asarray(value)
@@ -103,6 +109,8 @@ class MetricWriter:
     self._jsonl.flush()
 
   def close(self):
+    if not self._active:
+      return
     self._jsonl.close()
     self._tb.close()
 
@@ -154,10 +162,12 @@ def train_loop(
     FloatingPointError: a non-finite loss (at the step it appeared; the last checkpoint is
       intact).
   """
-  workdir = pathlib.Path(workdir)
+  workdir = epath.Path(workdir)  # a local path or gs://...
   workdir.mkdir(parents=True, exist_ok=True)
   mngr = ckpt.manager(workdir, max_to_keep=max_to_keep)
   if state_sharding is not None:
+    if jax.process_count() > 1:
+      state = sharding.to_host(state)  # one process's arrays cannot move onto another's devices
     state = jax.device_put(state, state_sharding)
   restored = ckpt.restore_latest(mngr, ckpt.abstract_like(state.to_dict()))
   if restored is not None:
@@ -171,7 +181,7 @@ def train_loop(
     for step in range(int(state.step), last):
       batch = batch_of(step)
       state, metrics = step_fn(state, batch, step)
-      metrics = jax.device_get(metrics)  # syncs every step (safe with many devices)
+      metrics = sharding.to_host(metrics)  # syncs every step (safe with many devices)
       if not math.isfinite(float(metrics['loss'])):
         raise FloatingPointError(f'non-finite loss {metrics["loss"]} at step {step}')
       tokens += tokens_of(batch) if tokens_of else 0

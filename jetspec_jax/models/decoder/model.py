@@ -30,6 +30,9 @@ class Decoder(nn.Module):
   dtype: Any = jnp.float32
   attn_impl: str = 'xla'
   compute_dtype: Any = None  # bfloat16: mixed-precision projections (models/matmul.py)
+  # Where the residual stream [B, T, D] lives (e.g. batch over 'data'), held after every layer:
+  # with FSDP-sharded weights, jit then gathers the weights rather than the batch.
+  activation_sharding: Any = None
 
   def setup(self):
     cfg = self.cfg
@@ -55,10 +58,16 @@ class Decoder(nn.Module):
       )
 
   def __call__(self, tokens, positions, slots, mask, cache_k, cache_v, taps=()):
-    x = self.embed_tokens(tokens)
+    def pin(x):
+      if self.activation_sharding is None:
+        return x
+      return jax.lax.with_sharding_constraint(x, self.activation_sharding)
+
+    x = pin(self.embed_tokens(tokens))
     new_k, new_v, tapped = [], [], {}
     for i, layer in enumerate(self.layers):
       x, k, v = layer(x, positions, slots, mask, cache_k[i], cache_v[i])
+      x = pin(x)
       new_k.append(k)
       new_v.append(v)
       if i in taps:
@@ -138,6 +147,7 @@ def forward(
   taps: tuple[int, ...] = (),
   attn_impl: str = 'xla',
   compute_dtype=None,
+  activation_sharding=None,
 ) -> ForwardOutput:
   """One target forward in prefill, decode or masked mode (see module docstring).
 
@@ -159,6 +169,9 @@ def forward(
       Mosaic kernel; TPU interpret mode on CPU).
     compute_dtype: ``'bfloat16'``: the projections take bfloat16 inputs and accumulate in
       float32 (:mod:`~jetspec_jax.models.matmul`); None: in the parameters' dtype.
+    activation_sharding: a sharding the residual stream ``[B, T, D]`` is held to after every
+      layer (training: the batch over ``'data'`` while the weights are FSDP-sharded); None:
+      left to ``jit``.
 
   Returns:
     A :class:`ForwardOutput`. ``cache.lengths`` becomes ``max(lengths, max(slots) + 1)`` over the
@@ -185,7 +198,7 @@ def forward(
     if mask.shape != (b, t, cache.capacity):
       raise ValueError(f'mask must have shape [B, T, S]={(b, t, cache.capacity)}, got {mask.shape}')
     mask = DenseMask(mask)
-  model = Decoder(cfg, cache.dtype, attn_impl, matmul.resolve(compute_dtype))
+  model = Decoder(cfg, cache.dtype, attn_impl, matmul.resolve(compute_dtype), activation_sharding)
   hidden, new_k, new_v, features = model.apply(
     {'params': params}, tokens, positions, slots, mask, cache.k, cache.v, taps
   )
