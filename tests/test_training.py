@@ -450,6 +450,9 @@ def test_train_draft_binary_end_to_end(tmp_path):
     (lambda c: c.head.update(target_layer_ids=(0, 9)), r'taps target layers \[9\], outside'),
     (lambda c: c.head.update(mask_token_id=97), 'mask_token_id=97 is outside the vocabulary'),
     (lambda c: c.data.update(prompts='missing.jsonl'), 'data.prompts must be one of'),
+    (lambda c: c.train.update(micro_batches=3), 'micro_batches=3 must divide'),
+    (lambda c: c.train.update(anchor_chunk=5), 'anchor_chunk=5 must divide'),
+    (lambda c: c.mesh.update(model=3), r'mesh.model=3 must divide the \d+ devices'),
   ],
 )
 def test_a_bad_config_fails_before_any_work(change, message, tmp_path):

@@ -673,13 +673,16 @@ def mesh_from_config(config) -> jax.sharding.Mesh:
   """The config's ``mesh``: ``model``-way tensor parallel, data parallel over the rest (all
   processes' devices)."""
   model = config.get('mesh', {}).get('model', 1)
-  if jax.device_count() % model:
-    raise ValueError(f'mesh.model={model} does not divide the {jax.device_count()} devices')
+  if model < 1 or jax.device_count() % model:
+    raise ValueError(f'mesh.model={model} must divide the {jax.device_count()} devices')
   return sharding.make_mesh(model=model)
 
 
 def local_mesh_from_config(config) -> jax.sharding.Mesh:
-  """This process's own devices, ``mesh.model``-way tensor parallel where they divide."""
+  """This process's own devices, ``mesh.model``-way tensor parallel where they divide (in one
+  process: :func:`mesh_from_config`)."""
+  if jax.process_count() == 1:
+    return mesh_from_config(config)
   model = config.get('mesh', {}).get('model', 1)
   return sharding.local_mesh(model if jax.local_device_count() % model == 0 else 1)
 
@@ -764,6 +767,9 @@ def check_config(config) -> None:
       f"train.loss={train.loss!r} cannot train a {kind} head (loss='dspark' trains exactly the "
       'DSpark heads, head.markov_rank > 0)'
     )
+  model = config.get('mesh', {}).get('model', 1)
+  if model < 1 or jax.device_count() % model:
+    raise ValueError(f'mesh.model={model} must divide the {jax.device_count()} devices')
   micro, chunk = train.get('micro_batches', 1), train.get('anchor_chunk', 0)
   if micro < 1 or train.global_batch % micro:
     raise ValueError(f'train.micro_batches={micro} must divide train.global_batch')
