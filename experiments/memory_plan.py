@@ -131,7 +131,9 @@ def plan(config, target_cfg: decoder.DecoderConfig, meshes) -> list[dict]:
     micro = max(1, cfg.train.global_batch // data)
     cfg.train.micro_batches = micro
     for stage in (train_step_memory, generation_memory):
-      row = dict(mesh=name, micro_batches=micro, **stage(cfg, target_cfg, mesh))
+      row = dict(mesh=name, **stage(cfg, target_cfg, mesh))
+      if stage is train_step_memory:
+        row['micro_batches'] = micro
       logging.info('%s', row)
       rows.append(row)
   return rows
@@ -145,7 +147,8 @@ def markdown(rows: list[dict]) -> str:
   ]
   for r in rows:
     lines.append(
-      f'| {r["mesh"]} | {r["stage"]} | {r["batch"]} x {r["seq_len"]} | {r["micro_batches"]} '
+      f'| {r["mesh"]} | {r["stage"]} | {r["batch"]} x {r["seq_len"]} '
+      f'| {r.get("micro_batches", "-")} '
       f'| {r["arguments_gib"]:.2f} GiB | {r["temporaries_gib"]:.2f} GiB '
       f'| **{r["total_gib"]:.2f} GiB** |'
     )
