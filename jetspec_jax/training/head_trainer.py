@@ -132,14 +132,18 @@ def sums_in_chunks(sums_of_blocks, blk: blocks_lib.Blocks, chunk: int) -> losses
   if num_blocks % chunk:
     raise ValueError(f'anchor_chunk={chunk} must divide the {num_blocks} anchors of a sequence')
   chunks = jax.tree.map(lambda x: x.reshape((num_blocks // chunk, chunk) + x.shape[1:]), blk)
+  return scan_sum(jax.checkpoint(sums_of_blocks), chunks)
 
-  def body(total, one):
-    sums = jax.checkpoint(sums_of_blocks)(one)
-    return jax.tree.map(jnp.add, total, sums), None
 
-  first = jax.eval_shape(sums_of_blocks, jax.tree.map(lambda x: x[0], chunks))
+def scan_sum(fn, xs):
+  """``sum_i fn(xs[i])`` (a pytree) over the leading axis of ``xs``, one slice alive at a time."""
+
+  def body(total, x):
+    return jax.tree.map(jnp.add, total, fn(x)), None
+
+  first = jax.eval_shape(fn, jax.tree.map(lambda x: x[0], xs))
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), first)
-  total, _ = jax.lax.scan(body, zeros, chunks)
+  total, _ = jax.lax.scan(body, zeros, xs)
   return total
 
 
@@ -482,9 +486,8 @@ def make_train_step(
   micro = settings.micro_batches
   batch_placement = jax.sharding.NamedSharding(mesh, P('data'))
 
-  def step(state: TrainState, batch, key, target_params, draft_vocab):
+  def step(state: TrainState, batch, key, target_params, draft_vocab, *, grad_placement):
     tgt = target.replace(params=target_params)
-    grad_placement = sharding.named(sharding.param_specs(state.params, mesh, fsdp=fsdp), mesh)
 
     def grad_sums(micro_batch):
       def loss_fn(params):
@@ -500,14 +503,7 @@ def make_train_step(
     if micro == 1:
       grads, sums = grad_sums(batch)
     else:
-
-      def body(total, micro_batch):
-        return jax.tree.map(jnp.add, total, grad_sums(micro_batch)), None
-
-      parts = split_micro_batches(batch, micro)
-      first = jax.eval_shape(grad_sums, jax.tree.map(lambda x: x[0], parts))
-      zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), first)
-      (grads, sums), _ = jax.lax.scan(body, zeros, parts)
+      grads, sums = scan_sum(grad_sums, split_micro_batches(batch, micro))
     weight = jnp.maximum(sums.weight, 1e-9)
     grads = jax.tree.map(lambda g: g / weight, grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -522,19 +518,19 @@ def make_train_step(
   replicated = jax.sharding.NamedSharding(mesh, P())
   target_placement = target_shardings(target, mesh, fsdp=fsdp)
   vocab = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
-  compiled, placed = {}, {}
+  placed = {}
 
   def jitted(state):
-    placement = state_shardings(state, mesh, fsdp=fsdp)
-    key = jax.tree.structure(placement)
-    if key not in compiled:
-      compiled[key] = jax.jit(
-        step,
+    # Built at the first call: the state's structure (its optimizer's) is known from then on.
+    if 'step' not in placed:
+      placement = state_shardings(state, mesh, fsdp=fsdp)
+      placed['step'] = jax.jit(
+        functools.partial(step, grad_placement=placement.params),
         in_shardings=(placement, batch_placement, replicated, target_placement, replicated),
         out_shardings=(placement, replicated),
         donate_argnums=(0,),
       )
-    return compiled[key]
+    return placed['step']
 
   def train_step(state, batch, key):
     if 'target' not in placed:  # once: the target's parameters move to their shardings
