@@ -77,3 +77,13 @@ def start_history(
   b, p = prompts.shape
   history = jnp.zeros((b, size), jnp.int32).at[:, :p].set(prompts)
   return history.at[jnp.arange(b), prompt_lens].set(anchor, mode='drop')
+
+
+def seed_guesses(
+  history: Int[Array, ' S'], last: Int[Array, ''], *, max_ngram: int, depth: int
+) -> Int[Array, ' depth']:
+  """A copy-seeded head's slot guesses (``DraftHeadConfig.copy_seed``): the :func:`continuation`
+  of the context ending at ``last`` (the anchor), ``-1`` (MASK) where it has no token. Only
+  tokens at or before ``last`` are read, so training may pass a whole stored sequence."""
+  tokens, count, _ = continuation(history, last, max_ngram=max_ngram, length=depth)
+  return jnp.where(jnp.arange(depth) < count, tokens, -1).astype(jnp.int32)

@@ -237,7 +237,8 @@ def start_rounds(
   """Prefill the target, read the prompt's features into the head, sample the first token.
 
   ``keep_history``: also keep the committed tokens (:attr:`RoundState.history`, with room for
-  ``capacity`` plus one round's commit)."""
+  ``capacity`` plus one round's commit); always kept for a copy-seeded head, which drafts from
+  them (``DraftHeadConfig.copy_seed``)."""
   b, rows = prompts.shape[0], head.cfg.max_depth + 1  # a round commits at most max_depth + 1
   cache, last_logits, features = prefill(
     target, prompts, prompt_lens, capacity, taps=head.cfg.target_layer_ids
@@ -247,7 +248,7 @@ def start_rounds(
   anchor = sampling.sample(last_logits, sub)  # [B]
   pending = jnp.zeros((b, rows, features.shape[-1]), features.dtype)
   history = None
-  if keep_history:
+  if keep_history or head.cfg.copy_seed:
     history = prompt_lookup.start_history(prompts, prompt_lens, anchor, capacity + rows)
   return RoundState(
     cache, draft_cache, pending, jnp.zeros((b,), jnp.int32), anchor, key, history=history

@@ -55,6 +55,9 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       init_from_target_layers=False,  # start head layers as copies of the target's last layers
       markov_rank=0,
       refine=False,  # a JetSpec++ head (jetspec_jax/methods/jetspecpp.py)
+      # > 0: draft slots hold the context's copy candidates (prompt lookup, matches of up to
+      # copy_seed tokens) as guessed tokens, in training and drafting (DraftHeadConfig.copy_seed)
+      copy_seed=0,
       # A reduced draft vocabulary: the most frequent ids of the generated responses covering
       # 99% of them (15,360 of 49,152 on ~2,300 sequences); the head scores only
       # those, and ships the map as EAGLE-3's d2t/t2d. 0: the whole vocabulary.

@@ -99,7 +99,7 @@ class Tree(Method):
   def draft(self, target, head, state):
     """The head's part of a round alone (its cost is the round's draft share)."""
     draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
-    return head.propose_cached(target, draft_cache, state.anchor)
+    return head.propose_cached(target, draft_cache, state.anchor, copy_seed_guesses(head, state))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,10 +142,24 @@ def speculative_round(
   forcing a fixed acceptance) is passed in, never built into the round.
   """
   draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
-  draft_logits = head.propose_cached(target, draft_cache, state.anchor)  # [B, depth, V]
+  guesses = copy_seed_guesses(head, state)
+  draft_logits = head.propose_cached(target, draft_cache, state.anchor, guesses)  # [B, depth, V]
   return verify_tree_round(
     target, head, state, draft_cache, draft_logits, sampling, tree_settings, choose
   )
+
+
+def copy_seed_guesses(head: draft_head_lib.DraftHead, state: rounds_lib.RoundState):
+  """A copy-seeded head's slot guesses ``[B, depth]`` (the context's copy candidates, ``-1``
+  where none; :func:`jetspec_jax.prompt_lookup.seed_guesses`), or None for any other head."""
+  if not head.cfg.copy_seed:
+    return None
+  if state.history is None:
+    raise ValueError('a copy_seed head drafts from RoundState.history (start_rounds keeps it)')
+  seed = functools.partial(
+    prompt_lookup.seed_guesses, max_ngram=head.cfg.copy_seed, depth=head.cfg.max_depth
+  )
+  return jax.vmap(seed)(state.history, state.cache.lengths)
 
 
 def verify_tree_round(

@@ -67,6 +67,11 @@ class DraftHeadConfig:
     refine: a JetSpec++ head (:mod:`jetspec_jax.methods.jetspecpp`): causal, and its draft slots may
       hold *guessed* tokens instead of MASK (embedded as ``embed(token) + draft_embed``, one
       learned vector marking a token as unverified); with every slot MASK it is a JetSpec head.
+    copy_seed: ``> 0`` seeds a JetSpec or DFlash-style head's draft slots with *copy
+      candidates*: the continuation of the latest longest match (up to ``copy_seed`` tokens) of
+      the context's suffix (:func:`jetspec_jax.prompt_lookup.seed_guesses`), read as guessed
+      tokens (``embed(token) + draft_embed``); slots the copy cannot fill stay MASK. The head
+      learns when to keep the copy and when to overrule it; trained and drafted the same way.
   """
 
   hidden_size: int
@@ -86,6 +91,7 @@ class DraftHeadConfig:
   max_position_embeddings: int = 40960
   markov_rank: int = 0
   refine: bool = False
+  copy_seed: int = 0
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -104,6 +110,12 @@ class DraftHeadConfig:
       raise ValueError('a DSpark head (markov_rank > 0) has a bidirectional backbone: causal=False')
     if self.refine and (self.markov_rank or not self.causal):
       raise ValueError('a JetSpec++ head (refine=True) is causal and has no Markov stage')
+    if self.copy_seed < 0:
+      raise ValueError(f'{self.copy_seed=} must be >= 0')
+    if self.copy_seed and (self.markov_rank or self.refine):
+      raise ValueError(
+        'copy_seed is for JetSpec and DFlash-style heads (no refine, no Markov stage)'
+      )
 
   @property
   def num_taps(self) -> int:
@@ -113,6 +125,11 @@ class DraftHeadConfig:
   def kind(self) -> str:
     """``'dspark'``, ``'jetspecpp'``, ``'jetspec'`` (causal) or ``'dflash'`` (bidirectional)."""
     return head_kind(markov_rank=self.markov_rank, refine=self.refine, causal=self.causal)
+
+  @property
+  def reads_guesses(self) -> bool:
+    """Its draft slots may hold guessed tokens (a JetSpec++ head, or a copy-seeded head)."""
+    return self.refine or self.copy_seed > 0
 
   @property
   def max_depth(self) -> int:
@@ -139,6 +156,7 @@ def config_for_target(
   intermediate_size: int | None = None,
   markov_rank: int = 0,
   refine: bool = False,
+  copy_seed: int = 0,
 ) -> DraftHeadConfig:
   """A head config that fits ``target_cfg`` (same width, heads, vocab and RoPE)."""
   if target_layer_ids is None:
@@ -161,6 +179,7 @@ def config_for_target(
     max_position_embeddings=target_cfg.max_position_embeddings,
     markov_rank=markov_rank,
     refine=refine,
+    copy_seed=copy_seed,
   )
 
 
@@ -357,7 +376,7 @@ def init_head_params(cfg: DraftHeadConfig, key, dtype=jnp.float32) -> dict:
   )['params']
   if cfg.markov_rank:
     params = dict(params, **init_dspark_params(cfg, markov_key, dtype))
-  if cfg.refine:  # zeros: an untrained JetSpec++ head reads a guess as its plain embedding
+  if cfg.reads_guesses:  # zeros: an untrained head reads a guess as its plain embedding
     params = dict(params, draft_embed=jnp.zeros((cfg.hidden_size,), dtype))
   return params
 
@@ -390,13 +409,17 @@ def backbone_params(params: dict) -> dict:
 def embed_block(
   cfg: DraftHeadConfig, params: dict, embed, tokens: Int[Array, '*B T'], guessed=None
 ) -> Array:
-  """Block inputs: ``embed(tokens)``, plus ``draft_embed`` where ``guessed`` (JetSpec++ slots
-  holding a guessed token instead of MASK). ``embed`` is the target's (frozen) embedding."""
+  """Block inputs: ``embed(tokens)``, plus ``draft_embed`` where ``guessed`` (slots holding a
+  guessed token instead of MASK: JetSpec++ and copy-seeded heads). ``embed`` is the target's
+  (frozen) embedding."""
   x = embed(tokens)
   if guessed is None:
     return x
-  if not cfg.refine:
-    raise ValueError(f'a {cfg.kind} head cannot read guessed tokens (only a jetspecpp head)')
+  if not cfg.reads_guesses:
+    raise ValueError(
+      f'a {cfg.kind} head without copy_seed cannot read guessed tokens (a jetspecpp head or '
+      'a copy_seed head can)'
+    )
   return x + jnp.where(guessed[..., None], params['draft_embed'].astype(x.dtype), 0)
 
 
@@ -599,8 +622,8 @@ class DraftHead:
   ) -> Float[Array, 'B T D']:
     """The final-normed outputs ``[B, bs, D]`` of the block ``[anchor, MASK, ...]`` anchored
     after the context (the anchor sits at position ``cache.lengths``, the first token without a
-    feature row); the block's tokens are embedded by ``target``. A JetSpec++ head may be given
-    ``guesses [B, bs-1]``: the token guessed for each draft slot, ``-1`` for MASK."""
+    feature row); the block's tokens are embedded by ``target``. A JetSpec++ or copy-seeded head
+    may be given ``guesses [B, bs-1]``: the token guessed for each draft slot, ``-1`` for MASK."""
     cfg = self.cfg
     b, bs = anchor.shape[0], cfg.block_size
     ids = jnp.full((b, bs), cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
@@ -668,12 +691,14 @@ def random_draft_head(
   scale: float = 1.0,
   markov_rank: int = 0,
   refine: bool = False,
+  copy_seed: int = 0,
 ) -> DraftHead:
   """A randomly initialised head that fits ``target`` (``scale`` multiplies the weights).
 
   With ``markov_rank`` a DSpark head (bidirectional) whose Markov bias is random too (a trained
   head's starts at zero), so tests see a bias that depends on the previous token. With
-  ``refine`` a JetSpec++ head whose ``draft_embed`` is random too (a trained head's starts at 0).
+  ``refine`` (a JetSpec++ head) or ``copy_seed`` a head whose ``draft_embed`` is random too (a
+  trained head's starts at 0).
   """
   cfg = config_for_target(
     target.cfg,
@@ -683,9 +708,10 @@ def random_draft_head(
     target_layer_ids=target_layer_ids,
     markov_rank=markov_rank,
     refine=refine,
+    copy_seed=copy_seed,
   )
   params = init_head_params(cfg, jax.random.key(seed), target.dtype)
-  if refine:
+  if cfg.reads_guesses:
     draft_embed = jax.random.normal(jax.random.key(seed + 2), (cfg.hidden_size,))
     params['draft_embed'] = draft_embed.astype(target.dtype)
   if markov_rank:

@@ -253,7 +253,7 @@ def _head_rules(cfg: draft_head.DraftHeadConfig) -> Iterator[_Rule]:
     yield ('markov', 'proj'), 'markov_head.proj.weight', _t, _t
     yield ('confidence', 'kernel'), 'confidence_head.weight', _row_out, _row_in
     yield ('confidence', 'bias'), 'confidence_head.bias', _row_out, _row_in
-  if cfg.refine:  # JetSpec++: the vector added to a guessed token's embedding
+  if cfg.reads_guesses:  # JetSpec++ / copy-seeded: the vector added to a guessed token's embedding
     yield ('draft_embed',), 'draft_embed.weight', _ident, _ident
 
 
@@ -488,6 +488,7 @@ def head_config_from_hf(hf: Mapping) -> draft_head.DraftHeadConfig:
     max_position_embeddings=hf.get('max_position_embeddings', 40960),
     markov_rank=_markov_rank(dflash),
     refine=dflash.get('head_kind') == 'jetspecpp',
+    copy_seed=int(dflash.get('copy_seed', 0)),
   )
 
 
@@ -523,6 +524,7 @@ def head_config_to_hf(cfg: draft_head.DraftHeadConfig, dtype=jnp.float32) -> dic
       # released ones.
       **({'head_kind': 'dspark', 'markov_rank': cfg.markov_rank} if cfg.markov_rank else {}),
       **({'head_kind': 'jetspecpp'} if cfg.refine else {}),
+      **({'copy_seed': cfg.copy_seed} if cfg.copy_seed else {}),
     ),
   )
 

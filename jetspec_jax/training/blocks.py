@@ -18,6 +18,7 @@ Example, ``bs = 3``, anchors at 2 and 5, sequence length 7 (``x`` = visible)::
 JetSpec++ heads also train on blocks whose slots hold guessed tokens (``Blocks.guessed``):
 :func:`refine_blocks` (the next round's block, seeded with the last draft) and
 :func:`noisy_context_blocks` (a token-only run of true and own-draft tokens after the anchor).
+A copy-seeded head's blocks hold the context's copy candidates (:func:`copy_seeded_blocks`).
 """
 
 from typing import NamedTuple
@@ -25,6 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax import prompt_lookup
 from jetspec_jax.typing import Array, Bool, Int
 
 
@@ -123,6 +125,21 @@ def blocks_at(anchors, keep, tokens, loss_mask, length, block_size: int, mask_to
     valid,
     context_mask,
   )
+
+
+def copy_seeded_blocks(clean: Blocks, tokens: Int[Array, ' L'], max_ngram: int) -> Blocks:
+  """The blocks of a copy-seeded head (``DraftHeadConfig.copy_seed``): slot ``i`` of the block
+  anchored at ``a`` holds the ``i``-th token of the context's copy candidates
+  (:func:`jetspec_jax.prompt_lookup.seed_guesses` over ``x_0 .. x_a``, exactly what drafting
+  reads at inference), flagged ``guessed``; slots the copy cannot fill stay MASK. Targets,
+  validity and masks are the clean block's: the copy comes from tokens at or before the anchor,
+  so no label leaks in."""
+  depth = clean.tokens.shape[1] - 1
+  seed = lambda a: prompt_lookup.seed_guesses(tokens, a, max_ngram=max_ngram, depth=depth)
+  guesses = jax.vmap(seed)(clean.anchors)
+  guessed = jnp.pad(guesses >= 0, ((0, 0), (1, 0))) & clean.keep[:, None]
+  seeded = jnp.where(guessed, jnp.pad(guesses, ((0, 0), (1, 0))), clean.tokens)
+  return clean._replace(tokens=seeded.astype(jnp.int32), guessed=guessed)
 
 
 def refine_blocks(

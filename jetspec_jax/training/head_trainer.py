@@ -250,6 +250,8 @@ def sequence_sums(
     block_size=span,
     mask_token_id=head_cfg.mask_token_id,
   )
+  if head_cfg.copy_seed:  # slots hold the context's copy candidates, as drafting feeds them
+    blk = blocks_lib.copy_seeded_blocks(blk, tokens, head_cfg.copy_seed)
 
   def sums_of(blk, out):
     teacher = hidden[jnp.clip(blk.positions - 1, 0, seq_len - 1)]
@@ -733,6 +735,7 @@ def head_config(head_config, target_cfg: decoder.DecoderConfig) -> dh.DraftHeadC
     mask_token_id=head_config.get('mask_token_id'),
     markov_rank=head_config.get('markov_rank', 0),
     refine=head_config.get('refine', False),
+    copy_seed=head_config.get('copy_seed', 0),
   )
   dh.check_fits_target(cfg, target_cfg)
   return cfg
