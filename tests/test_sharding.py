@@ -45,8 +45,9 @@ for moe in (False, True):
     return jax.device_get(state.params)
 
   ref_params = train(target, sharding.make_mesh(1, 1))
-  # Dense: pure data and mixed; MoE (experts split over 'model'): mixed and pure model.
-  for data, model in ((2, 2), (1, 4)) if moe else ((4, 1), (2, 2)):
+  # Dense: mixed data x model; MoE: pure model (experts split over 'model'). Pure data parallel
+  # and FSDP steps are compared with one device in tests/test_training.py.
+  for data, model in ((1, 4),) if moe else ((2, 2),):
     mesh = sharding.make_mesh(data, model)
     t = target.replace(params=sharding.shard_params(target.params, mesh))
     h = head.replace(params=sharding.shard_params(head.params, mesh))
@@ -67,7 +68,7 @@ def test_sharded_generation_and_training_match_one_device():
     [sys.executable, '-c', SCRIPT], capture_output=True, text=True, env=env, timeout=900
   )
   assert out.returncode == 0, out.stderr[-4000:]
-  assert out.stdout.count('OK') == 4
+  assert out.stdout.count('OK') == 2
 
 
 def test_rules_degrade_to_replication():

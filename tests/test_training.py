@@ -13,6 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 from absl import logging as absl_logging
+from etils.epath import testing as etils_testing
 
 import jetspec_jax as js
 from experiments import generate_data
@@ -276,6 +277,51 @@ def test_data_generation_resumes(target, dataset, tmp_path):
   np.testing.assert_array_equal(
     np.load(copy / shards[2].name)['tokens'], np.load(shards[2])['tokens']
   )
+
+
+def test_a_url_data_directory_and_export_go_through_epath(target, dataset, tmp_path, monkeypatch):
+  """Shards, prompt files and the exported head at ``gs://`` URLs: the file system is mocked
+  (etils.epath's test backend, ``gs://`` mapped to a local root), and nothing may be written
+  where pathlib would put a mangled ``gs:/bucket`` (under the working directory)."""
+  root = tmp_path / 'gcs'
+  local = lambda p: str(p).replace('gs://', f'{root}/', 1)
+  url = lambda p: str(p).replace(f'{root}/', 'gs://', 1)
+  one = lambda fn, path, *a, **k: fn(local(path), *a, **k)
+  two = lambda fn, src, dst, *a, **k: fn(local(src), local(dst), *a, **k)
+  glob = lambda fn, pattern: [url(p) for p in fn(local(pattern))]
+
+  def walk(fn, top, **kw):
+    for where, dirs, files in fn(local(top), **kw):
+      yield url(where), dirs, files
+
+  calls = {n: one for n in ('open', 'exists', 'isdir', 'listdir', 'makedirs', 'mkdir', 'stat')}
+  calls.update(remove=one, rmtree=one, rename=two, replace=two, copy=two, glob=glob, walk=walk)
+  monkeypatch.chdir(tmp_path)
+  path, prompts = dataset
+  (root / 'bucket').mkdir(parents=True)
+  lines = [json.dumps({'prompt_ids': [int(t) for t in p]}) for p in prompts[:4]]
+  (root / 'bucket' / 'prompts.jsonl').write_text('\n'.join(lines))
+  head = js.testing.random_draft_head(target, block_size=5, seed=2)
+  with etils_testing.mock_epath(**calls):
+    read = data_lib.read_prompts_jsonl('gs://bucket/prompts.jsonl')
+    written = data_lib.generate_dataset(
+      target, read, 'gs://bucket/data/greedy', max_len=40, max_new_tokens=30, shard_size=2,
+      batch_size=2, progress=False,
+    )  # fmt: skip
+    assert [str(p) for p in written] == [
+      'gs://bucket/data/greedy/shard_00000.npz',
+      'gs://bucket/data/greedy/shard_00001.npz',
+    ]
+    assert [str(p) for p in data_lib.shard_paths('gs://bucket/data')] == [str(p) for p in written]
+    source = data_lib.TokenShards('gs://bucket/data', max_len=40)
+    js.save_draft_head(head, 'gs://bucket/run/export')
+  assert not (tmp_path / 'gs:').exists()  # nothing went through pathlib
+  local_shards = data_lib.TokenShards(root / 'bucket' / 'data', max_len=40)
+  np.testing.assert_array_equal(source.tokens, local_shards.tokens)
+  # The same greedy answers as the local dataset's first 4 prompts.
+  np.testing.assert_array_equal(source.tokens, data_lib.TokenShards(path, max_len=40).tokens[:4])
+  loaded = js.load_draft_head(root / 'bucket' / 'run' / 'export', target)
+  jax.tree.map(np.testing.assert_array_equal, loaded.params, head.params)
 
 
 def test_prompts_from_jsonl(tmp_path):
@@ -593,7 +639,7 @@ def run(workdir, mesh, **kw):
   return jax.device_get(state)
 
 full = {mesh: run(f"full{mesh}", mesh) for mesh in ((2, 1), (1, 4))}
-for before, after in (((1, 1), (2, 1)), ((2, 1), (2, 1)), ((4, 1), (2, 1)), ((2, 2), (1, 4))):
+for before, after in (((1, 1), (2, 1)), ((2, 1), (2, 1)), ((2, 2), (1, 4))):
   name = f"resume{before}{after}"
   assert int(run(name, before, stop_after=3).step) == 3
   resumed = run(name, after)
@@ -610,7 +656,7 @@ print("OK")
 
 
 def test_resume_on_another_device_count_or_mesh():
-  """A run checkpointed on 1, 2, 4 devices or a (2, 2) mesh resumes on 2 devices or a (1, 4)
+  """A run checkpointed on 1 or 2 devices or a (2, 2) mesh resumes on 2 devices or a (1, 4)
   mesh (4 fake CPU devices): bit-identical to the uninterrupted run on the same mesh, within
   float tolerance when the mesh changes (a different reduction order)."""
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}

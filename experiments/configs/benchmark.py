@@ -31,7 +31,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg == 'tiny':
     config.num_humaneval, config.num_heldout = 2, 1
     config.max_new_tokens = 16
-    config.budgets = (8, 32)
+    config.budgets = (8,)
     config.tree_algorithms = ('accum_logp',)
     config.batch_sizes = (1, 2)
     config.batch_budget = 8

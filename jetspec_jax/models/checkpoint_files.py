@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import numpy as np
 import safetensors
 import safetensors.numpy
+from etils import epath
 
 from jetspec_jax.models.decoder.config import RopeScaling
 
@@ -90,13 +91,14 @@ def write_tensors(
   prefix: str = 'model',
   max_shard_bytes: int | None = None,
 ) -> None:
-  """Writes tensors as one file, or as shards plus an index when over ``max_shard_bytes``."""
-  path = pathlib.Path(path)
+  """Writes tensors as one file, or as shards plus an index when over ``max_shard_bytes``.
+  ``path`` may be a URL (``gs://...``: written through ``etils.epath``)."""
+  path = epath.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
   total = sum(v.nbytes for v in tensors.values())
   if max_shard_bytes is None or total <= max_shard_bytes:
-    safetensors.numpy.save_file(tensors, path / f'{prefix}.safetensors', metadata={'format': 'pt'})
+    (path / f'{prefix}.safetensors').write_bytes(_safetensors_bytes(tensors))
     return
   shards, current, size = [], {}, 0
   for name, value in tensors.items():
@@ -109,10 +111,14 @@ def write_tensors(
   weight_map = {}
   for i, shard in enumerate(shards):
     fname = f'{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors'
-    safetensors.numpy.save_file(shard, path / fname, metadata={'format': 'pt'})
+    (path / fname).write_bytes(_safetensors_bytes(shard))
     weight_map.update({name: fname for name in shard})
   index = {'metadata': {'total_size': total}, 'weight_map': weight_map}
   (path / f'{prefix}.safetensors.index.json').write_text(json.dumps(index, indent=2))
+
+
+def _safetensors_bytes(tensors: Mapping[str, np.ndarray]) -> bytes:
+  return safetensors.numpy.save(dict(tensors), metadata={'format': 'pt'})
 
 
 def read_config(path: pathlib.Path) -> dict:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 from jetspec_jax import sharding
 from jetspec_jax.models import checkpoint_files, decoder, draft_head, gguf_io
@@ -581,8 +582,9 @@ def load_draft_head(
 
 def save_draft_head(head: draft_head.DraftHead, path: str | os.PathLike, dtype=None) -> None:
   """Writes ``head`` in the released layout (``fc.weight``, ``layers.{i}.*``, ...), cast to
-  ``dtype`` if given (e.g. ``jnp.bfloat16`` for a shipped head)."""
-  path = pathlib.Path(path)
+  ``dtype`` if given (e.g. ``jnp.bfloat16`` for a shipped head). ``path`` may be a URL
+  (``gs://...``, through ``etils.epath``)."""
+  path = epath.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   if dtype is not None:
     head = head.replace(params=jax.tree.map(lambda x: x.astype(dtype), head.params))

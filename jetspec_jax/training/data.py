@@ -13,10 +13,15 @@ collected during generation (``feature_taps``: ``shard_*.features.npy`` beside e
 recomputed from the tokens by a batched teacher-forced forward (:func:`compute_features`) into a
 separate cache directory, at the same relative paths: the tokens are the asset, the features a
 cache that one command rebuilds.
+
+Shards and prompt files are read and written through ``etils.epath``, so a data directory may be a
+URL (``gs://bucket/data``); features are memory-mapped, so their cache is a local directory.
 """
 
 import collections
+import fnmatch
 import functools
+import io
 import json
 import os
 import pathlib
@@ -28,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from etils import epath
 from tqdm import tqdm
 
 from jetspec_jax import corpus, decoding, rounds, sharding
@@ -39,10 +45,18 @@ SHARD_PATTERN = 'shard_{:05d}.npz'
 FEATURE_TAPS_FILE = 'feature_taps.json'  # in a features directory: the taps its features hold
 
 
-def shard_paths(data_dir: str | os.PathLike) -> list[pathlib.Path]:
+def shard_paths(data_dir: str | os.PathLike) -> list[epath.Path]:
   """Finished shards under ``data_dir`` (subdirectories too), sorted."""
-  paths = sorted(pathlib.Path(data_dir).rglob('shard_*.npz'))
-  return [p for p in paths if not p.name.endswith('.tmp.npz')]
+  root = epath.Path(data_dir)
+  if not root.is_dir():
+    return []
+  paths = [
+    where / name
+    for where, _, names in root.walk()  # epath has no recursive glob (a URL lists by walking)
+    for name in names
+    if fnmatch.fnmatch(name, 'shard_*.npz') and not name.endswith('.tmp.npz')
+  ]
+  return sorted(paths)
 
 
 # Conversations as users have them: the chat format (``{"messages": [{"role", "content"}]}``)
@@ -117,11 +131,11 @@ def read_prompts_jsonl(
     FileNotFoundError: no file at ``path``.
     ValueError: a record in no known layout, or text without ``tokenize`` / ``chat``.
   """
-  path = pathlib.Path(path)
-  if not path.is_file():
+  path = epath.Path(path)
+  if not path.exists() or path.is_dir():
     raise FileNotFoundError(f'prompt file {path} does not exist')
   prompts = []
-  with open(path) as f:
+  with path.open() as f:
     for line_no, line in enumerate(f, 1):
       if not line.strip():
         continue
@@ -213,7 +227,7 @@ def generate_dataset(
   progress: bool = True,
   shard_indices: Iterable[int] | None = None,
   feature_taps: tuple[int, ...] = (),
-) -> list[pathlib.Path]:
+) -> list[epath.Path]:
   """Regenerates responses for ``prompts`` and writes token shards (skipping finished ones).
 
   Args:
@@ -241,7 +255,7 @@ def generate_dataset(
   if callable(prompts):
     prompts = list(prompts())
   prompts = [np.asarray(p, np.int32) for p in prompts]
-  out_dir = pathlib.Path(out_dir)
+  out_dir = epath.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   eos = target.cfg.eos_token_id if eos is None else eos
   only = None if shard_indices is None else set(shard_indices)
@@ -294,7 +308,7 @@ def generate_greedy_and_sampled(
   Shards of the two kinds are produced alternately, so a partial dataset already mixes both; a
   re-run skips finished shards. Returns the number of prompts of each kind.
   """
-  data_dir = pathlib.Path(data_dir)
+  data_dir = epath.Path(data_dir)
   every = data_config.sampled_every
   kinds = {
     'greedy': ([p for i, p in enumerate(prompts) if i % every], 0.0),
@@ -351,7 +365,7 @@ def generate_from_config(
   *,
   prompts: Sequence[np.ndarray] | None = None,
   eos=None,
-) -> list[pathlib.Path]:
+) -> list[epath.Path]:
   """:func:`generate_dataset` with the prompts and settings of an experiment config.
 
   With ``data.sampled_every`` set, the responses are split greedy / sampled
@@ -381,14 +395,14 @@ def generate_from_config(
 
 
 def features_path(
-  shard: pathlib.Path, data_dir=None, features_dir=None, kind: str = 'features'
-) -> pathlib.Path:
+  shard: epath.Path, data_dir=None, features_dir=None, kind: str = 'features'
+) -> epath.Path | pathlib.Path:
   """A shard's features (``kind='labels'``: its target-argmax labels): beside it, or at its
-  relative path under ``features_dir``."""
+  relative path under ``features_dir`` (a local cache)."""
   beside = shard.with_name(shard.name.removesuffix('.npz') + f'.{kind}.npy')
   if features_dir is None:
     return beside
-  return pathlib.Path(features_dir) / beside.relative_to(data_dir)
+  return pathlib.Path(features_dir) / os.fspath(beside.relative_to(epath.Path(data_dir)))
 
 
 def compute_features(
@@ -411,7 +425,7 @@ def compute_features(
   Returns:
     How many shards were computed.
   """
-  data_dir, features_dir = pathlib.Path(data_dir), pathlib.Path(features_dir)
+  data_dir, features_dir = epath.Path(data_dir), pathlib.Path(features_dir)
   features_dir.mkdir(parents=True, exist_ok=True)
   meta = features_dir / FEATURE_TAPS_FILE
   if meta.exists() and tuple(json.loads(meta.read_text())) != tuple(taps):
@@ -435,7 +449,7 @@ def compute_features(
 
   todo = [p for p in shard_paths(data_dir) if not done(p)]
   for path in tqdm(todo, desc='features', unit='shard', disable=not progress):
-    shard = np.load(path)
+    shard = load_shard(path)
     tokens, lengths = shard['tokens'].astype(np.int32), shard['lengths']
     rows, labels = [], []
     for b in range(0, len(tokens), batch_size):
@@ -459,20 +473,32 @@ def compute_features(
   return len(todo)
 
 
-def _save_features(path: pathlib.Path, rows) -> None:
+def _save_features(path, rows) -> None:
   """One float16 ``[sum of lengths, F]`` array, written atomically (temp file + rename)."""
   _save_rows(path, rows, np.float16)
 
 
-def _save_rows(path: pathlib.Path, rows, dtype) -> None:
+def _save_rows(path, rows, dtype) -> None:
   """Per-sequence rows as one ``dtype`` array, written atomically (temp file + rename)."""
-  tmp = path.with_name(path.name + '.tmp.npy')
-  np.save(tmp, np.concatenate(rows).astype(dtype))
-  os.replace(tmp, path)
+  buf = io.BytesIO()
+  np.save(buf, np.concatenate(rows).astype(dtype))
+  _write_atomically(epath.Path(path), buf.getvalue(), '.tmp.npy')
+
+
+def _write_atomically(path: epath.Path, data: bytes, suffix: str) -> None:
+  tmp = path.with_name(path.name + suffix)
+  tmp.write_bytes(data)
+  tmp.replace(path)
+
+
+def load_shard(path) -> dict[str, np.ndarray]:
+  """A token shard's arrays (read whole: a URL cannot be memory-mapped)."""
+  with np.load(io.BytesIO(epath.Path(path).read_bytes())) as shard:
+    return dict(shard)
 
 
 def write_shard(
-  path: pathlib.Path, sequences, masks, max_len: int, features=None, feature_taps=()
+  path: epath.Path, sequences, masks, max_len: int, features=None, feature_taps=()
 ) -> None:
   """Writes one shard atomically (temp file + rename).
 
@@ -496,9 +522,9 @@ def write_shard(
         raise ValueError(f'{len(feats)} feature rows for a sequence of {len(seq)} tokens')
     _save_features(features_path(path), features)
     extra['feature_taps'] = np.asarray(feature_taps, np.int32)
-  tmp = path.with_name(path.name + '.tmp.npz')
-  np.savez_compressed(tmp, tokens=tokens, loss_mask=loss_mask, lengths=lengths, **extra)
-  os.replace(tmp, path)
+  buf = io.BytesIO()
+  np.savez_compressed(buf, tokens=tokens, loss_mask=loss_mask, lengths=lengths, **extra)
+  _write_atomically(epath.Path(path), buf.getvalue(), '.tmp.npz')
 
 
 class TokenShards:
@@ -527,7 +553,7 @@ class TokenShards:
     position (``labels[p]`` = argmax of the target at ``p - 1``; :func:`compute_features`).
     ``subdir``: only the shards under ``data_dir/subdir`` (features still found relative to
     ``data_dir``)."""
-    paths = shard_paths(pathlib.Path(data_dir) / subdir if subdir else data_dir)
+    paths = shard_paths(epath.Path(data_dir) / subdir if subdir else data_dir)
     if shards_per_dir is not None or skip_per_dir:
       seen = collections.Counter()  # paths are sorted: each directory's shards in order
       kept = []
@@ -539,7 +565,7 @@ class TokenShards:
       paths = kept
     if not paths:
       raise FileNotFoundError(f'no shard_*.npz files in {data_dir}')
-    loaded = [np.load(p) for p in paths]
+    loaded = [load_shard(p) for p in paths]
     width = max(d['tokens'].shape[1] for d in loaded) if max_len is None else max_len
     self.width = width
     self.feature_taps: tuple[int, ...] | None = None
@@ -554,9 +580,7 @@ class TokenShards:
         raise ValueError(f'shards under {data_dir} were collected with different taps: {taps}')
       self.feature_taps = taps.pop()
       starts = [np.concatenate([[0], np.cumsum(d['lengths'])[:-1]]) for d in loaded]
-      self._features = [
-        (np.load(f, mmap_mode='r'), start) for f, start in zip(feature_files, starts)
-      ]
+      self._features = [(_memory_map(f), start) for f, start in zip(feature_files, starts)]
       self._where = [(s, j) for s, d in enumerate(loaded) for j in range(len(d['lengths']))]
     self._labels = None
     if target_labels:
@@ -567,7 +591,7 @@ class TokenShards:
           f'target labels asked for, but {len(missing)} label files are missing (first: '
           f'{(missing or ["features"])[0]}); compute them with data.compute_features'
         )
-      self._labels = [np.load(f, mmap_mode='r') for f in label_files]
+      self._labels = [_memory_map(f) for f in label_files]
 
     def fit(x):
       x = x[:, :width]
@@ -602,6 +626,15 @@ class TokenShards:
   @property
   def num_tokens(self) -> int:
     return int(self.lengths.sum())
+
+
+def _memory_map(path) -> np.ndarray:
+  if '://' in str(path):
+    raise ValueError(
+      f'features are memory-mapped from a local disk, not {path}: set data.features_dir to a '
+      'local directory (a cache that compute_features rebuilds from the shards)'
+    )
+  return np.load(os.fspath(path), mmap_mode='r')
 
 
 def make_batches(source: TokenShards, global_batch: int, seed: int) -> grain.MapDataset:
