@@ -53,8 +53,9 @@ def run_processes(workdir, kill_at: int = 0, *, two_processes: bool) -> list[str
   """Runs RUN in one 2-device process or in two 1-device processes (killed at step ``kill_at``
   when given); returns their stdout."""
   base = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+  flags = os.environ.get('XLA_FLAGS', '')  # the suite's (tests/conftest.py), plus the devices
   if not two_processes:
-    env = {**base, 'XLA_FLAGS': '--xla_force_host_platform_device_count=2'}
+    env = {**base, 'XLA_FLAGS': f'{flags} --xla_force_host_platform_device_count=2'}
     cmd = [sys.executable, '-c', RUN, '-1', str(workdir), str(kill_at)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0 and 'DONE 0' in out.stdout, out.stderr[-3000:]
@@ -64,7 +65,7 @@ def run_processes(workdir, kill_at: int = 0, *, two_processes: bool) -> list[str
   for i in range(2):
     env = {
       **base,
-      'XLA_FLAGS': '--xla_force_host_platform_device_count=1',
+      'XLA_FLAGS': f'{flags} --xla_force_host_platform_device_count=1',
       'JAX_COORDINATOR_ADDRESS': f'127.0.0.1:{port}',
       'JAX_NUM_PROCESSES': '2',
       'JAX_PROCESS_ID': str(i),

@@ -13,7 +13,8 @@ from jetspec_jax import sharding
 
 SCRIPT = r"""
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+flags = os.environ.get("XLA_FLAGS", "")  # the suite flags, plus the devices
+os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=4"
 import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 import jetspec_jax as js

@@ -211,7 +211,8 @@ def test_two_device_step_equals_single_device(dataset):
   micro-batches and anchor chunks) equal the 1-device step on the same global batch."""
   script = f'''
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+flags = os.environ.get("XLA_FLAGS", "")  # the suite flags, plus the devices
+os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=2"
 import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 import jetspec_jax as js
@@ -609,7 +610,8 @@ def test_token_shards_keep_the_first_shards_of_each_directory(tmp_path):
 
 RESUME_SCRIPT = r"""
 import os, sys, tempfile
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+flags = os.environ.get("XLA_FLAGS", "")  # the suite flags, plus the devices
+os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")

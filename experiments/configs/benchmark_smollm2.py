@@ -21,6 +21,12 @@ budget 16, with and without copy candidates:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:recipe \
       --config.heads.recipe=runs/jetspec_r3_full/export --workdir=benchmarks/smollm2_135m_recipe
 
+A copy-seeded head (its draft slots hold the context's copy candidates) against the head of the
+same recipe and data without them, T=0, chains and trees of 8 and 16 nodes, with and without a
+copy branch:
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:copy_seeded \
+      --workdir=benchmarks/smollm2_135m_copy_seeded
+
 Held-out chat-formatted prompts in three groups (code: HumanEval as a request; chat:
 ``EVAL_CHAT_INSTRUCTIONS``; math: ``EVAL_MATH_TEMPLATES``), disjoint from the heads' training
 prompts; decoding stops at the tokenizer's stop ids. The peer is transformers' own ``generate``
@@ -128,6 +134,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.budgets = (16,)
     config.tree_algorithms = ('accum_logp',)
     config.copy_lens = (0, 4, 7)
+    config.temperatures = (0.0,)
+    config.peers = ()
+  if arg == 'copy_seeded':  # a copy-seeded head (head.copy_seed) beside the same recipe without it
+    config.heads = ml_collections.ConfigDict(
+      dict(
+        recipe='runs/jetspec_r3_full/export',  # --config.heads.recipe=<a train_draft export>
+        copy_seeded='runs/jetspec_copy3_r3data/export',
+      )
+    )
+    config.num_per_group = 3
+    config.budgets = (8, 16)
+    config.tree_algorithms = ('accum_logp',)
+    config.copy_lens = (0, 4)
     config.temperatures = (0.0,)
     config.peers = ()
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
