@@ -417,8 +417,8 @@ def embed_block(
     return x
   if not cfg.reads_guesses:
     raise ValueError(
-      f'a {cfg.kind} head without copy_seed cannot read guessed tokens (a jetspecpp head or '
-      'a copy_seed head can)'
+      f'a {cfg.kind} head cannot read guessed tokens (only a jetspecpp head or a head with '
+      'copy_seed > 0)'
     )
   return x + jnp.where(guessed[..., None], params['draft_embed'].astype(x.dtype), 0)
 
