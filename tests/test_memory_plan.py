@@ -11,9 +11,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 V5E_GIB = 16.0
 
 
+@pytest.mark.slow  # ~100 s of compiles: `make test-slow`; the README's table has the command
 def test_qwen3_8b_recipe_fits_16_gib_per_device(tmp_path):
   out = tmp_path / 'memory'
   env = {

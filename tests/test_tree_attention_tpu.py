@@ -161,6 +161,7 @@ for impl in ("pallas", "pallas_mosaic"):
 """
 
 
+@pytest.mark.slow  # ~100 s on 4 fake devices: `make test-slow`
 def test_kernels_run_per_device_inside_a_model_parallel_mesh():
   """4 fake CPU devices, heads split over 'model' (and sequences over 'data'): prefill and the
   tree-masked forward with either kernel (interpreted) run under shard_map and equal XLA's."""
