@@ -98,8 +98,7 @@ class Tree(Method):
 
   def draft(self, target, head, state):
     """The head's part of a round alone (its cost is the round's draft share)."""
-    draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
-    return head.propose_cached(target, draft_cache, state.anchor, copy_seed_guesses(head, state))
+    return draft(target, head, state)[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,12 +140,19 @@ def speculative_round(
   it samples the verified logits with ``sampling`` (greedy: argmax). Anything else (a benchmark
   forcing a fixed acceptance) is passed in, never built into the round.
   """
-  draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
-  guesses = copy_seed_guesses(head, state)
-  draft_logits = head.propose_cached(target, draft_cache, state.anchor, guesses)  # [B, depth, V]
+  draft_cache, draft_logits = draft(target, head, state)
   return verify_tree_round(
     target, head, state, draft_cache, draft_logits, sampling, tree_settings, choose
   )
+
+
+def draft(target: decoder.Target, head: draft_head_lib.DraftHead, state: rounds_lib.RoundState):
+  """The head's part of a round: (head context cache with the last accepted features,
+  per-depth logits ``[B, D, V]``; a copy-seeded head's slots hold the context's copy
+  candidates)."""
+  draft_cache = head.extend_context(state.draft_cache, state.pending, state.num_pending)
+  guesses = copy_seed_guesses(head, state)
+  return draft_cache, head.propose_cached(target, draft_cache, state.anchor, guesses)
 
 
 def copy_seed_guesses(head: draft_head_lib.DraftHead, state: rounds_lib.RoundState):

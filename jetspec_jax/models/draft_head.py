@@ -423,6 +423,17 @@ def embed_block(
   return x + jnp.where(guessed[..., None], params['draft_embed'].astype(x.dtype), 0)
 
 
+def fill_slots(
+  block_tokens: Int[Array, '*B T'], guesses: Int[Array, '*B depth']
+) -> tuple[Int[Array, '*B T'], Bool[Array, '*B T']]:
+  """The block with its draft slots (``1 .. bs-1``) holding ``guesses`` where they are ``>= 0``
+  (``-1``: the slot keeps its token, MASK), and which slots now hold a guess; the one definition
+  drafting (:meth:`DraftHead.block_hidden`) and training blocks share."""
+  pad = [(0, 0)] * (guesses.ndim - 1) + [(1, 0)]
+  guessed = jnp.pad(guesses >= 0, pad)
+  return jnp.where(guessed, jnp.pad(guesses, pad), block_tokens).astype(jnp.int32), guessed
+
+
 def init_from_target_layers(
   params: dict, cfg: DraftHeadConfig, target_params: dict, layer_ids: tuple[int, ...] = ()
 ) -> dict:
@@ -629,8 +640,7 @@ class DraftHead:
     ids = jnp.full((b, bs), cfg.mask_token_id, jnp.int32).at[:, 0].set(anchor)
     guessed = None
     if guesses is not None:
-      guessed = jnp.pad(guesses >= 0, ((0, 0), (1, 0)))
-      ids = jnp.where(guessed, jnp.pad(guesses, ((0, 0), (1, 0))), ids)
+      ids, guessed = fill_slots(ids, guesses)
     x = embed_block(cfg, self.params, target.embed, ids, guessed).astype(self.dtype)
     anchor_pos = cache.lengths
     positions = anchor_pos[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]

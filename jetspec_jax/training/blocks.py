@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax import prompt_lookup
+from jetspec_jax.models import draft_head
 from jetspec_jax.typing import Array, Bool, Int
 
 
@@ -136,10 +137,9 @@ def copy_seeded_blocks(clean: Blocks, tokens: Int[Array, ' L'], max_ngram: int) 
   so no label leaks in."""
   depth = clean.tokens.shape[1] - 1
   seed = lambda a: prompt_lookup.seed_guesses(tokens, a, max_ngram=max_ngram, depth=depth)
-  guesses = jax.vmap(seed)(clean.anchors)
-  guessed = jnp.pad(guesses >= 0, ((0, 0), (1, 0))) & clean.keep[:, None]
-  seeded = jnp.where(guessed, jnp.pad(guesses, ((0, 0), (1, 0))), clean.tokens)
-  return clean._replace(tokens=seeded.astype(jnp.int32), guessed=guessed)
+  guesses = jnp.where(clean.keep[:, None], jax.vmap(seed)(clean.anchors), -1)
+  tokens, guessed = draft_head.fill_slots(clean.tokens, guesses)
+  return clean._replace(tokens=tokens, guessed=guessed)
 
 
 def refine_blocks(
