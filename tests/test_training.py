@@ -16,7 +16,7 @@ from absl import logging as absl_logging
 from etils.epath import testing as etils_testing
 
 import jetspec_jax as js
-from experiments import generate_data
+from experiments import eval_heads, generate_data
 from experiments.configs import draft_tiny
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import blocks as blocks_lib
@@ -463,6 +463,25 @@ def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
   assert len(copy['accuracy']) == config.head.block_size - 1 and copy['expected_tau'] >= 1.0
   last = json.loads((tmp_path / 'metrics.jsonl').read_text().splitlines()[-1])
   assert last['step'] == 10 and 0.0 <= last['heldout_accuracy/depth1'] <= 1.0
+  # experiments/eval_heads.py scores the exported head on the same batch and anchors as the log,
+  # and decodes the held-out prompts into the stored greedy responses.
+  target = train_lib.load_target_from_config(config.target)
+  heads = {'h': js.load_draft_head(tmp_path / 'export', target)}
+  rows = eval_heads.evaluate_heads(config, target, heads, [0, 3], data_dir=tmp_path / 'data')
+  assert [(r['first_tokens'], r['drafter'][:4]) for r in rows] == [
+    (0, 'h'),
+    (0, 'copy'),
+    (3, 'h'),
+    (3, 'copy'),
+  ]
+  np.testing.assert_allclose(rows[0]['expected_tau'], last['heldout_expected_tau'], rtol=1e-4)
+  np.testing.assert_allclose(rows[1]['expected_tau'], copy['expected_tau'], rtol=1e-4)
+  assert rows[3]['anchors'] < rows[1]['anchors']  # 2 anchors per sequence within 3 tokens
+  batch = train_lib.load_heldout_batch(config, tmp_path / 'data')
+  (decoded,) = eval_heads.decode_heads(
+    target, heads, batch, max_new_tokens=6, method=js.methods.Chain()
+  )
+  assert decoded['equal_to_stored'] == decoded['sequences'] == 4 and decoded['tau'] >= 1.0
 
 
 def test_train_draft_binary_end_to_end(tmp_path):

@@ -41,16 +41,36 @@ def _sequence_counts(tokens, labels, loss_mask, length, *, block_size: int, max_
 
   correct, valid, run = jax.vmap(one)(anchors)
   keep2 = keep[:, None]
-  return (
+  sums = (
     jnp.sum(correct & keep2, 0),
     jnp.sum(valid & keep2, 0),
     jnp.sum(jnp.where(keep, run, 0)),
     jnp.sum(keep),
   )
+  return sums, run, keep
+
+
+def decoding_walk(run: np.ndarray, keep: np.ndarray) -> tuple[int, int]:
+  """(rounds, tokens) of greedy chain decoding that accepts ``run[a]`` drafts at anchor ``a``.
+
+  Decoding does not visit every anchor: from the first valid one, a round commits the accepted
+  drafts plus the target's own token and the next round is anchored there, so the positions
+  inside an accepted run are skipped. The uniform average over anchors (``expected_tau``) counts
+  them, which overstates decoding where long runs cluster; this is the walk decoding takes."""
+  valid = np.flatnonzero(keep)
+  if valid.size == 0:
+    return 0, 0
+  a, end, rounds, tokens = int(valid[0]), int(valid[-1]), 0, 0
+  while a <= end:  # the last valid anchor drafts the response's last token: no round past it
+    step = min(int(run[a]) + 1, end + 1 - a)
+    rounds, tokens, a = rounds + 1, tokens + step, a + step
+  return rounds, tokens
 
 
 def copy_metrics(batch: dict, *, block_size: int, max_ngram: int = 3) -> dict:
-  """Per-depth accuracy (depth 1 .. ``block_size - 1``) and expected chain tau of copy drafts.
+  """Per-depth accuracy (depth 1 .. ``block_size - 1``), expected chain tau (every anchor
+  weighted alike) and walk tau (the anchors greedy decoding visits, :func:`decoding_walk`) of
+  copy drafts.
 
   Args:
     batch: ``tokens [B, L]``, ``loss_mask [B, L]``, ``lengths [B]`` and, optionally,
@@ -59,11 +79,11 @@ def copy_metrics(batch: dict, *, block_size: int, max_ngram: int = 3) -> dict:
     max_ngram: the longest context suffix matched.
   """
   labels = batch.get('labels', batch['tokens'])
-  totals = None
+  totals, walk_rounds, walk_tokens = None, 0, 0
   for tokens, label, mask, length in zip(
     batch['tokens'], labels, batch['loss_mask'], batch['lengths']
   ):
-    counts = _sequence_counts(
+    counts, run, keep = _sequence_counts(
       jnp.asarray(tokens, jnp.int32),
       jnp.asarray(label, jnp.int32),
       jnp.asarray(mask),
@@ -72,10 +92,13 @@ def copy_metrics(batch: dict, *, block_size: int, max_ngram: int = 3) -> dict:
       max_ngram=max_ngram,
     )
     counts = [np.asarray(c, np.int64) for c in counts]
+    rounds, committed = decoding_walk(np.asarray(run), np.asarray(keep))
+    walk_rounds, walk_tokens = walk_rounds + rounds, walk_tokens + committed
     totals = counts if totals is None else [t + c for t, c in zip(totals, counts)]
   correct, count, accepted, blocks = totals
   return dict(
     accuracy=correct / np.maximum(count, 1),
     expected_tau=1.0 + accepted / max(int(blocks), 1),
+    walk_tau=walk_tokens / max(walk_rounds, 1),
     anchors=int(blocks),
   )

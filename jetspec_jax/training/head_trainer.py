@@ -579,6 +579,36 @@ def make_heldout_eval(
   return evaluate
 
 
+def load_heldout_batch(config, data_dir=None) -> dict:
+  """The fixed held-out batch: the first ``eval.heldout_sequences`` sequences of the first
+  ``eval.heldout_shards`` shards of ``greedy/`` (never trained on: training skips them), with
+  their features and, for ``train.labels='target_argmax'``, the target's argmax labels."""
+  heldout = data_lib.TokenShards(
+    epath.Path(data_dir or config.data.dir),
+    max_len=config.data.max_len,
+    shards_per_dir=config.eval.heldout_shards,
+    features_dir=config.data.get('features_dir') or None,
+    target_labels=config.train.get('labels', 'data') == 'target_argmax',
+    subdir='greedy',
+  )
+  n = min(len(heldout), config.eval.get('heldout_sequences', 32))
+  items = [heldout[i] for i in range(n)]
+  batch = {k: np.stack([item[k] for item in items]) for k in items[0]}
+  batch['index'] = np.arange(n, dtype=np.int32)
+  return batch
+
+
+def first_response_tokens(batch: dict, n: int) -> dict:
+  """``batch`` with only the first ``n`` response tokens of each sequence scored.
+
+  The loss mask is cut after the ``n``-th response token, so anchors and draft slots past it
+  do not count: the teacher-forced metrics then describe the start of an answer, which is what
+  decoding ``n`` new tokens sees (an answer has had less of itself to copy there)."""
+  mask = np.asarray(batch['loss_mask'])
+  kept = mask * (np.cumsum(mask > 0, axis=1) <= n)
+  return dict(batch, loss_mask=kept.astype(mask.dtype))
+
+
 def fit(
   target: decoder.Target,
   head_cfg: dh.DraftHeadConfig,
@@ -869,18 +899,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   settings = step_settings(config.train)
   evaluate = None
   if heldout_shards:  # the first shards of greedy/, never trained on (skip_per_dir above)
-    heldout = data_lib.TokenShards(
-      data_dir,
-      max_len=config.data.max_len,
-      shards_per_dir=heldout_shards,
-      features_dir=features_dir,
-      target_labels=target_labels,
-      subdir='greedy',
-    )
-    n = min(len(heldout), config.eval.get('heldout_sequences', 32))
-    items = [heldout[i] for i in range(n)]
-    heldout_batch = {k: np.stack([item[k] for item in items]) for k in items[0]}
-    heldout_batch['index'] = np.arange(n, dtype=np.int32)
+    heldout_batch = load_heldout_batch(config, data_dir)
     evaluate = make_heldout_eval(
       target,
       head_cfg,

@@ -1,0 +1,188 @@
+"""Held-out, teacher-forced metrics of exported heads and of the copy drafter, side by side.
+
+  python -m experiments.eval_heads --config=experiments/configs/draft_smollm2.py \
+      --heads=recipe=runs/jetspec_r3_full/export,seeded=runs/jetspec_copy3_r3data/export \
+      --first_tokens=0,48 --out=benchmarks/heldout_smollm2.json
+
+The batch is the one ``train_draft`` logs its ``heldout_*`` metrics on (the config's
+``eval.heldout_*``: the first sequences of ``greedy/shard_00000``, never trained on), scored by
+the same function: per-depth accuracy, expected chain tau and loss, at the same fixed anchors.
+``--first_tokens=N`` scores only the first ``N`` response tokens of each sequence (0: all of
+them): decoding ``N`` new tokens sees that part of an answer. The copy drafter's row also has its
+walk tau: the average over the anchors greedy decoding would visit
+(``copy_baseline.decoding_walk``), where the expected chain tau weights every anchor alike.
+``--decode_tokens=N`` also decodes the same sequences' prompts with each head
+(``--decode_method``, greedy) for ``N`` tokens and reports the measured tau beside the
+teacher-forced numbers, with how many outputs equal the stored greedy responses.
+"""
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jetspec_jax import decoding, methods, sharding
+from jetspec_jax.models import hf_io
+from jetspec_jax.training import copy_baseline, head_trainer
+
+FLAGS = flags.FLAGS
+
+
+def parse_heads(spec: str) -> dict[str, str]:
+  """``'a=dir1,b=dir2'`` -> ``{'a': 'dir1', 'b': 'dir2'}``."""
+  heads = {}
+  for item in filter(None, spec.split(',')):
+    name, sep, path = item.partition('=')
+    if not sep or not name or not path:
+      raise ValueError(f'--heads takes name=directory pairs, got {item!r}')
+    heads[name] = path
+  return heads
+
+
+def evaluate_heads(
+  config, target, heads: dict, first_tokens, seed: int = 0, data_dir=None
+) -> list[dict]:
+  """One row per (scope, drafter): the heads in ``heads`` (name -> DraftHead) and ``copy``."""
+  full = head_trainer.load_heldout_batch(config, data_dir)
+  settings = head_trainer.step_settings(config.train)
+  settings = dataclasses.replace(settings, num_anchors=config.eval.get('heldout_anchors', 64))
+  rows = []
+  for n in first_tokens:
+    batch = head_trainer.first_response_tokens(full, n) if n else full
+    scope = f'first {n} response tokens' if n else 'whole responses'
+    for name, head in heads.items():
+      evaluate = head_trainer.make_heldout_eval(
+        target, head.cfg, batch, settings, head.draft_vocab, seed=seed
+      )
+      metrics = evaluate(head.params)
+      rows.append(
+        dict(
+          scope=scope,
+          first_tokens=n,
+          drafter=name,
+          accuracy=np.asarray(metrics['heldout_accuracy']).round(4).tolist(),
+          expected_tau=round(float(metrics['heldout_expected_tau']), 4),
+          loss=round(float(metrics['heldout_loss']), 4),
+        )
+      )
+      logging.info('%s', rows[-1])
+    block_size = max(h.cfg.block_size for h in heads.values()) if heads else 8
+    copy = copy_baseline.copy_metrics(batch, block_size=block_size)
+    rows.append(
+      dict(
+        scope=scope,
+        first_tokens=n,
+        drafter='copy (prompt lookup, n <= 3)',
+        accuracy=np.round(copy['accuracy'], 4).tolist(),
+        expected_tau=round(float(copy['expected_tau']), 4),
+        walk_tau=round(float(copy['walk_tau']), 4),
+        anchors=copy['anchors'],
+      )
+    )
+    logging.info('%s', rows[-1])
+  return rows
+
+
+def decode_heads(target, heads: dict, batch: dict, *, max_new_tokens: int, method) -> list[dict]:
+  """Greedy decoding of the batch's prompts (the tokens before each response) with every head:
+  tau over all rounds, and how many outputs equal the stored response's first tokens."""
+  rows = []
+  for name, head in heads.items():
+    taus, same = [], 0
+    for tokens, mask, length in zip(batch['tokens'], batch['loss_mask'], batch['lengths']):
+      start = int(np.argmax(np.asarray(mask) > 0))
+      out = decoding.generate(
+        target, head, np.asarray(tokens[:start]), method=method, max_new_tokens=max_new_tokens
+      )
+      taus.append(out.stats.tau)
+      stored = np.asarray(tokens[start : int(length)])[: len(out.tokens)]
+      same += int(np.array_equal(out.tokens[: len(stored)], stored))
+    taus = np.concatenate(taus)
+    rows.append(
+      dict(
+        drafter=name,
+        method=str(method),
+        new_tokens=max_new_tokens,
+        tau=round(float(np.mean(taus)), 4),
+        rounds=int(taus.size),
+        sequences=len(batch['tokens']),
+        equal_to_stored=same,
+      )
+    )
+    logging.info('%s', rows[-1])
+  return rows
+
+
+def markdown(rows: list[dict]) -> str:
+  lines = [
+    '| scope | drafter | depth-1 acc. | depth 2 / 3 / 7 | expected chain tau | walk tau | loss |',
+    '|---|---|---|---|---|---|---|',
+  ]
+  for r in rows:
+    acc = r['accuracy']
+    deeper = ' / '.join(f'{acc[k]:.3f}' for k in (1, 2, 6) if k < len(acc))
+    loss = f'{r["loss"]:.2f}' if 'loss' in r else '-'
+    walk = f'{r["walk_tau"]:.3f}' if 'walk_tau' in r else '-'
+    lines.append(
+      f'| {r["scope"]} | {r["drafter"]} | {acc[0]:.3f} | {deeper} | {r["expected_tau"]:.3f} '
+      f'| {walk} | {loss} |'
+    )
+  return '\n'.join(lines) + '\n'
+
+
+def main(argv):
+  del argv
+  config = FLAGS.config
+  target = head_trainer.load_target_from_config(config.target)
+  heads = {
+    name: hf_io.load_draft_head(path, target) for name, path in parse_heads(FLAGS.heads).items()
+  }
+  first_tokens = [int(n) for n in FLAGS.first_tokens]
+  rows = evaluate_heads(config, target, heads, first_tokens, seed=config.seed)
+  table = markdown(rows)
+  decoded = []
+  if FLAGS.decode_tokens:
+    method = methods.from_config(FLAGS.decode_method)
+    batch = head_trainer.load_heldout_batch(config)
+    decoded = decode_heads(target, heads, batch, max_new_tokens=FLAGS.decode_tokens, method=method)
+    table += '\n| decoded (greedy) | method | new tokens | tau | rounds | outputs = stored |\n'
+    table += '|---|---|---|---|---|---|\n'
+    for r in decoded:
+      table += (
+        f'| {r["drafter"]} | {r["method"]} | {r["new_tokens"]} | {r["tau"]:.3f} | {r["rounds"]} '
+        f'| {r["equal_to_stored"]} / {r["sequences"]} |\n'
+      )
+  print(table)
+  if FLAGS.out and sharding.is_main_process():
+    out = pathlib.Path(FLAGS.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = dict(
+      heads=parse_heads(FLAGS.heads),
+      heldout=dict(
+        data_dir=config.data.dir,
+        shards=config.eval.heldout_shards,
+        sequences=config.eval.heldout_sequences,
+        anchors=config.eval.heldout_anchors,
+      ),
+      devices=str(jax.devices()),
+      rows=rows,
+      decoded=decoded,
+    )
+    out.write_text(json.dumps(record, indent=2))
+    out.with_suffix('.md').write_text(table)
+
+
+if __name__ == '__main__':
+  config_flags.DEFINE_config_file(
+    'config', 'experiments/configs/draft_smollm2.py', 'The training config (target, data, eval).'
+  )
+  flags.DEFINE_string('heads', '', 'name=export_dir pairs, comma-separated.')
+  flags.DEFINE_list('first_tokens', ['0'], 'Score the first N response tokens (0: all).')
+  flags.DEFINE_integer('decode_tokens', 0, 'Also decode the held-out prompts for N tokens.')
+  flags.DEFINE_string('decode_method', 'chain', 'The method --decode_tokens decodes with.')
+  flags.DEFINE_string('out', '', 'A JSON file for the rows (and a .md beside it).')
+  app.run(main)
