@@ -8,9 +8,9 @@ The batch is the one ``train_draft`` logs its ``heldout_*`` metrics on (the conf
 ``eval.heldout_*``: the first sequences of ``greedy/shard_00000``, never trained on), scored by
 the same function: per-depth accuracy, expected chain tau and loss, at the same fixed anchors.
 ``--first_tokens=N`` scores only the first ``N`` response tokens of each sequence (0: all of
-them): decoding ``N`` new tokens sees that part of an answer. The copy drafter's row also has its
-walk tau: the average over the anchors greedy decoding would visit
-(``copy_baseline.decoding_walk``), where the expected chain tau weights every anchor alike.
+them): decoding ``N`` new tokens sees that part of an answer. Every row also has its walk tau:
+the chain tau over the anchors greedy decoding visits (``training/walk.py``), where the expected
+chain tau weights every anchor alike (not for DSpark heads).
 ``--decode_tokens=N`` also decodes the same sequences' prompts with each head
 (``--decode_method``, greedy) for ``N`` tokens and reports the measured tau beside the
 teacher-forced numbers, with how many outputs equal the stored greedy responses.
@@ -27,7 +27,7 @@ from ml_collections import config_flags
 
 from jetspec_jax import decoding, methods, sharding
 from jetspec_jax.models import hf_io
-from jetspec_jax.training import copy_baseline, head_trainer
+from jetspec_jax.training import copy_baseline, head_trainer, walk
 
 FLAGS = flags.FLAGS
 
@@ -59,16 +59,17 @@ def evaluate_heads(
         target, head.cfg, batch, settings, head.draft_vocab, seed=seed
       )
       metrics = evaluate(head.params)
-      rows.append(
-        dict(
-          scope=scope,
-          first_tokens=n,
-          drafter=name,
-          accuracy=np.asarray(metrics['heldout_accuracy']).round(4).tolist(),
-          expected_tau=round(float(metrics['heldout_expected_tau']), 4),
-          loss=round(float(metrics['heldout_loss']), 4),
-        )
+      row = dict(
+        scope=scope,
+        first_tokens=n,
+        drafter=name,
+        accuracy=np.asarray(metrics['heldout_accuracy']).round(4).tolist(),
+        expected_tau=round(float(metrics['heldout_expected_tau']), 4),
+        loss=round(float(metrics['heldout_loss']), 4),
       )
+      if head.cfg.kind != 'dspark':  # the anchors decoding visits (training/walk.py)
+        row['walk_tau'] = round(float(walk.walk_metrics(head, target, batch)['walk_tau']), 4)
+      rows.append(row)
       logging.info('%s', rows[-1])
     block_size = max(h.cfg.block_size for h in heads.values()) if heads else 8
     copy = copy_baseline.copy_metrics(batch, block_size=block_size)

@@ -20,7 +20,7 @@ from experiments import eval_heads, generate_data
 from experiments.configs import draft_tiny
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import blocks as blocks_lib
-from jetspec_jax.training import chat_data, loop, losses
+from jetspec_jax.training import chat_data, copy_baseline, loop, losses, walk
 from jetspec_jax.training import data as data_lib
 from jetspec_jax.training import head_trainer as train_lib
 
@@ -486,10 +486,11 @@ def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
 
 def test_train_draft_binary_end_to_end(tmp_path):
   """The runlocal config: data, training with checkpoints, export, and a tau gain."""
-  result = train_lib.train_and_evaluate(draft_tiny.get_config('runlocal'), str(tmp_path))
+  config = draft_tiny.get_config('runlocal')
+  result = train_lib.train_and_evaluate(config, str(tmp_path))
   assert result['steps'] == 120
   assert sorted(p.name for p in (tmp_path / 'checkpoints').iterdir()) == ['120', '60']
-  target = train_lib.load_target_from_config(draft_tiny.get_config('runlocal').target)
+  target = train_lib.load_target_from_config(config.target)
   head = js.load_draft_head(tmp_path / 'export', target)
   assert head.cfg.block_size == 6 and head.cfg.causal
   assert result['tau_after'] > result['tau_before'] + 0.3, result
@@ -497,6 +498,25 @@ def test_train_draft_binary_end_to_end(tmp_path):
   assert saved['tau_after'] == result['tau_after']
   resolved = json.loads((tmp_path / 'config.json').read_text())  # the config as run
   assert resolved['train']['steps'] == 120 and resolved['eval']['method']['name'] == 'tree'
+  # The walk over teacher-forced runs at every anchor of the stored greedy sequences is what
+  # chain decoding their prompts does, round by round (training/walk.py).
+  source = data_lib.TokenShards(tmp_path / 'data', max_len=config.data.max_len)
+  items = [source[i] for i in range(4)]
+  batch = {k: np.stack([item[k] for item in items]) for k in items[0]}
+  accepted = 0
+  for i in range(4):
+    steps = copy_baseline.decoding_walk(*walk.runs_of(head, target, batch, i))
+    start, length = int(np.argmax(batch['loss_mask'][i] > 0)), int(batch['lengths'][i])
+    prompt = batch['tokens'][i][:start]
+    out = js.generate(
+      target, head, prompt, method=js.methods.Chain(), max_new_tokens=length - start
+    )
+    np.testing.assert_array_equal(out.tokens, batch['tokens'][i][start:length])
+    # Round by round; decoding's last round may also count drafts past the response's end.
+    assert steps.size == out.stats.tau.size and steps[-1] <= out.stats.tau[-1]
+    np.testing.assert_array_equal(steps[:-1], out.stats.tau[:-1])
+    accepted += int(np.sum(steps[:-1] - 1))
+  assert accepted > 0  # the trained head's drafts are accepted: the walk is not all ones
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,11 @@ copy branch:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:copy_seeded \
       --workdir=benchmarks/smollm2_135m_copy_seeded
 
+The heads of issue 28 at equal data and steps (JetSpec with and without copy seeds, the seeded
+DFlash-style head, JetSpec++), T=0, chains and trees of 16 nodes, with and without a copy branch:
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:equal_data \
+      --workdir=benchmarks/smollm2_135m_equal_data
+
 Held-out chat-formatted prompts in three groups (code: HumanEval as a request; chat:
 ``EVAL_CHAT_INSTRUCTIONS``; math: ``EVAL_MATH_TEMPLATES``), disjoint from the heads' training
 prompts; decoding stops at the tokenizer's stop ids. The peer is transformers' own ``generate``
@@ -146,6 +151,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.num_per_group = 3
     config.budgets = (8, 16)
     config.tree_algorithms = ('accum_logp',)
+    config.copy_lens = (0, 4)
+    config.temperatures = (0.0,)
+    config.peers = ()
+  if arg == 'equal_data':  # issue 28's heads on the same data, steps and recipe (assets/README.md)
+    config.heads = ml_collections.ConfigDict(
+      dict(
+        recipe='runs/jetspec_r3_full/export',  # JetSpec, no seeds
+        copy_seeded='runs/jetspec_copy3_r3data/export',  # JetSpec, copy_seed=3
+        dflash_seeded='runs/dflash_copy3_r3data/export',  # DFlash-style, copy_seed=3
+        jetspecpp='runs/jetspecpp_r3data/export',  # JetSpec++ (no seeds: refine excludes them)
+      )
+    )
+    config.num_per_group = 3
+    config.budgets = (16,)
+    config.tree_algorithms = ('accum_logp',)
+    config.jetspecpp_variants = ((True, 0),)
     config.copy_lens = (0, 4)
     config.temperatures = (0.0,)
     config.peers = ()

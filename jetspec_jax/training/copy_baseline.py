@@ -50,21 +50,23 @@ def _sequence_counts(tokens, labels, loss_mask, length, *, block_size: int, max_
   return sums, run, keep
 
 
-def decoding_walk(run: np.ndarray, keep: np.ndarray) -> tuple[int, int]:
-  """(rounds, tokens) of greedy chain decoding that accepts ``run[a]`` drafts at anchor ``a``.
+def decoding_walk(run: np.ndarray, keep: np.ndarray) -> np.ndarray:
+  """Tokens committed per round by greedy chain decoding that accepts ``run[a]`` drafts at
+  anchor ``a`` (``keep``: the valid anchors, one response's contiguous span).
 
   Decoding does not visit every anchor: from the first valid one, a round commits the accepted
   drafts plus the target's own token and the next round is anchored there, so the positions
   inside an accepted run are skipped. The uniform average over anchors (``expected_tau``) counts
-  them, which overstates decoding where long runs cluster; this is the walk decoding takes."""
+  them, which overstates decoding where long runs cluster; this is the walk decoding takes. The
+  last round stops at the response's last token (decoding may count drafts past a cut there)."""
   valid = np.flatnonzero(keep)
-  if valid.size == 0:
-    return 0, 0
-  a, end, rounds, tokens = int(valid[0]), int(valid[-1]), 0, 0
-  while a <= end:  # the last valid anchor drafts the response's last token: no round past it
-    step = min(int(run[a]) + 1, end + 1 - a)
-    rounds, tokens, a = rounds + 1, tokens + step, a + step
-  return rounds, tokens
+  steps = []
+  if valid.size:
+    a, end = int(valid[0]), int(valid[-1])
+    while a <= end:  # the last valid anchor drafts the response's last token
+      steps.append(min(int(run[a]) + 1, end + 1 - a))
+      a += steps[-1]
+  return np.asarray(steps, np.int64)
 
 
 def copy_metrics(batch: dict, *, block_size: int, max_ngram: int = 3) -> dict:
@@ -92,8 +94,8 @@ def copy_metrics(batch: dict, *, block_size: int, max_ngram: int = 3) -> dict:
       max_ngram=max_ngram,
     )
     counts = [np.asarray(c, np.int64) for c in counts]
-    rounds, committed = decoding_walk(np.asarray(run), np.asarray(keep))
-    walk_rounds, walk_tokens = walk_rounds + rounds, walk_tokens + committed
+    steps = decoding_walk(np.asarray(run), np.asarray(keep))
+    walk_rounds, walk_tokens = walk_rounds + steps.size, walk_tokens + int(steps.sum())
     totals = counts if totals is None else [t + c for t, c in zip(totals, counts)]
   correct, count, accepted, blocks = totals
   return dict(
