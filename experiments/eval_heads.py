@@ -88,33 +88,48 @@ def evaluate_heads(
   return rows
 
 
+def methods_for(head, method) -> list:
+  """The methods that decode ``head`` as ``method`` would: ``method`` itself, or for a JetSpec++
+  head asked for a chain, the chain of its MASK drafting (what the walk scores) and the chain of
+  its recycled guesses (JetSpec++ decoding)."""
+  if head.cfg.kind == 'jetspecpp' and isinstance(method, methods.Chain):
+    chain = dict(budget=head.cfg.block_size, width=1, copy_len=method.copy_len)
+    return [methods.JetSpecPP(**chain, recycle=False), methods.JetSpecPP(**chain, recycle=True)]
+  return [method]
+
+
 def decode_heads(target, heads: dict, batch: dict, *, max_new_tokens: int, method) -> list[dict]:
   """Greedy decoding of the batch's prompts (the tokens before each response) with every head:
   tau over all rounds, and how many outputs equal the stored response's first tokens."""
   rows = []
   for name, head in heads.items():
-    taus, same = [], 0
-    for tokens, mask, length in zip(batch['tokens'], batch['loss_mask'], batch['lengths']):
-      start = int(np.argmax(np.asarray(mask) > 0))
-      out = decoding.generate(
-        target, head, np.asarray(tokens[:start]), method=method, max_new_tokens=max_new_tokens
+    for head_method in methods_for(head, method):
+      taus, same = [], 0
+      for tokens, mask, length in zip(batch['tokens'], batch['loss_mask'], batch['lengths']):
+        start = int(np.argmax(np.asarray(mask) > 0))
+        out = decoding.generate(
+          target,
+          head,
+          np.asarray(tokens[:start]),
+          method=head_method,
+          max_new_tokens=max_new_tokens,
+        )
+        taus.append(out.stats.tau)
+        stored = np.asarray(tokens[start : int(length)])[: len(out.tokens)]
+        same += int(np.array_equal(out.tokens[: len(stored)], stored))
+      taus = np.concatenate(taus)
+      rows.append(
+        dict(
+          drafter=name,
+          method=str(head_method),
+          new_tokens=max_new_tokens,
+          tau=round(float(np.mean(taus)), 4),
+          rounds=int(taus.size),
+          sequences=len(batch['tokens']),
+          equal_to_stored=same,
+        )
       )
-      taus.append(out.stats.tau)
-      stored = np.asarray(tokens[start : int(length)])[: len(out.tokens)]
-      same += int(np.array_equal(out.tokens[: len(stored)], stored))
-    taus = np.concatenate(taus)
-    rows.append(
-      dict(
-        drafter=name,
-        method=str(method),
-        new_tokens=max_new_tokens,
-        tau=round(float(np.mean(taus)), 4),
-        rounds=int(taus.size),
-        sequences=len(batch['tokens']),
-        equal_to_stored=same,
-      )
-    )
-    logging.info('%s', rows[-1])
+      logging.info('%s', rows[-1])
   return rows
 
 

@@ -6,6 +6,7 @@ import logging as py_logging
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -482,6 +483,20 @@ def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
     target, heads, batch, max_new_tokens=6, method=js.methods.Chain()
   )
   assert decoded['equal_to_stored'] == decoded['sequences'] == 4 and decoded['tau'] >= 1.0
+
+
+def test_eval_heads_flags_and_methods():
+  """eval_heads' ``--heads`` pairs, and a JetSpec++ head asked for a chain decodes as the chain
+  of its MASK drafting (what the walk scores) and of its recycled guesses."""
+  assert eval_heads.parse_heads('a=x/y,b=z') == {'a': 'x/y', 'b': 'z'}
+  with pytest.raises(ValueError, match='name=directory'):
+    eval_heads.parse_heads('a=x,runs/b')
+  kind = lambda k: types.SimpleNamespace(cfg=types.SimpleNamespace(kind=k, block_size=8))
+  chain = js.methods.Chain(copy_len=2)
+  assert eval_heads.methods_for(kind('dflash'), chain) == [chain]
+  mask, recycled = eval_heads.methods_for(kind('jetspecpp'), chain)
+  assert (mask.recycle, recycled.recycle) == (False, True)
+  assert mask.budget == recycled.budget == 8 and mask.width == 1 and mask.copy_len == 2
 
 
 def test_train_draft_binary_end_to_end(tmp_path):
