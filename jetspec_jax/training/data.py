@@ -405,6 +405,9 @@ def features_path(
   return pathlib.Path(features_dir) / os.fspath(beside.relative_to(epath.Path(data_dir)))
 
 
+_FEATURE_WIDTH_STEP = 64
+
+
 def compute_features(
   target: decoder.Target,
   data_dir: str | os.PathLike,
@@ -451,21 +454,25 @@ def compute_features(
   for path in tqdm(todo, desc='features', unit='shard', disable=not progress):
     shard = load_shard(path)
     tokens, lengths = shard['tokens'].astype(np.int32), shard['lengths']
-    rows, labels = [], []
-    for b in range(0, len(tokens), batch_size):
-      lens = lengths[b : b + batch_size]
-      width = decoding.bucket(int(lens.max()))
-      batch = np.zeros((batch_size, width), np.int32)  # one shape per width: few compiles
-      rows_in = tokens[b : b + batch_size, :width]
-      batch[: len(lens), : rows_in.shape[1]] = rows_in
+    rows, labels = [None] * len(lengths), [None] * len(lengths)
+    # Shortest first, each batch as wide as its longest row rounded up to 64 (a few shapes, so a
+    # few compiles): on the SmolLM2 data this forwards 1.07M positions for 0.90M tokens, where
+    # file order and power-of-two widths forwarded 1.78M. Measured there on 2 cores: 68 s per
+    # shard after the compiles, against 76 (the forward's cost is not proportional to width).
+    order = np.argsort(lengths, kind='stable')
+    for b in range(0, len(order), batch_size):
+      idx = order[b : b + batch_size]
+      lens = lengths[idx]
+      width = min(-(-int(lens.max()) // _FEATURE_WIDTH_STEP) * _FEATURE_WIDTH_STEP, tokens.shape[1])
+      batch = np.zeros((batch_size, width), np.int32)
+      batch[: len(idx)] = tokens[idx, :width]
       padded_lens = np.concatenate([lens, np.ones(batch_size - len(lens), lens.dtype)])
       feats, argmax = forward(jnp.asarray(batch), jnp.asarray(padded_lens, jnp.int32))
       feats, argmax = np.asarray(feats), np.asarray(argmax)
-      for i, n in enumerate(lens):
+      for i, (j, n) in enumerate(zip(idx, lens, strict=True)):
         row = feats[i, :n].astype(np.float16)
         row[n - 1] = 0
-        rows.append(row)
-        labels.append(argmax[i, :n])
+        rows[j], labels[j] = row, argmax[i, :n]
     out = features_path(path, data_dir, features_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     _save_rows(features_path(path, data_dir, features_dir, 'labels'), labels, np.int32)
