@@ -6,7 +6,8 @@
 
 The batch is the one ``train_draft`` logs its ``heldout_*`` metrics on (the config's
 ``eval.heldout_*``: the first sequences of ``greedy/shard_00000``, never trained on), scored by
-the same function: per-depth accuracy, expected chain tau and loss, at the same fixed anchors.
+the same function: per-depth accuracy, expected chain tau and loss, at the same fixed anchors
+(a DSpark head needs its own config, ``draft_smollm2.py:dspark``, for its loss).
 ``--first_tokens=N`` scores only the first ``N`` response tokens of each sequence (0: all of
 them): decoding ``N`` new tokens sees that part of an answer. Every row also has its walk tau:
 the chain tau over the anchors greedy decoding visits (``training/walk.py``), where the expected
@@ -89,9 +90,14 @@ def evaluate_heads(
 
 
 def methods_for(head, method) -> list:
-  """The methods that decode ``head`` as ``method`` would: ``method`` itself, or for a JetSpec++
+  """The methods that decode ``head`` as ``method`` would: ``method`` itself; for a JetSpec++
   head asked for a chain, the chain of its MASK drafting (what the walk scores) and the chain of
-  its recycled guesses (JetSpec++ decoding)."""
+  its recycled guesses (JetSpec++ decoding); for a DSpark head asked for a chain, its own chain
+  verified whole (threshold 0, what the held-out expected tau scores)."""
+  if head.cfg.kind == 'dspark' and isinstance(method, methods.Chain):
+    if method.copy_len:
+      raise ValueError('a DSpark chain has no copy candidates: decode it with copy_len=0')
+    return [methods.DSpark(threshold=0.0)]
   if head.cfg.kind == 'jetspecpp' and isinstance(method, methods.Chain):
     chain = dict(budget=head.cfg.block_size, width=1, copy_len=method.copy_len)
     return [methods.JetSpecPP(**chain, recycle=False), methods.JetSpecPP(**chain, recycle=True)]

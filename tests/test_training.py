@@ -487,7 +487,8 @@ def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
 
 def test_eval_heads_flags_and_methods():
   """eval_heads' ``--heads`` pairs, and a JetSpec++ head asked for a chain decodes as the chain
-  of its MASK drafting (what the walk scores) and of its recycled guesses."""
+  of its MASK drafting (what the walk scores) and of its recycled guesses; a DSpark head as its
+  own chain, verified whole."""
   assert eval_heads.parse_heads('a=x/y,b=z') == {'a': 'x/y', 'b': 'z'}
   with pytest.raises(ValueError, match='name=directory'):
     eval_heads.parse_heads('a=x,runs/b')
@@ -497,6 +498,10 @@ def test_eval_heads_flags_and_methods():
   mask, recycled = eval_heads.methods_for(kind('jetspecpp'), chain)
   assert (mask.recycle, recycled.recycle) == (False, True)
   assert mask.budget == recycled.budget == 8 and mask.width == 1 and mask.copy_len == 2
+  (dspark,) = eval_heads.methods_for(kind('dspark'), js.methods.Chain())
+  assert isinstance(dspark, js.methods.DSpark) and dspark.threshold == 0.0
+  with pytest.raises(ValueError, match='no copy candidates'):
+    eval_heads.methods_for(kind('dspark'), chain)
 
 
 def test_train_draft_binary_end_to_end(tmp_path):
