@@ -45,10 +45,10 @@ def parse_heads(spec: str) -> dict[str, str]:
 
 
 def evaluate_heads(
-  config, target, heads: dict, first_tokens, seed: int = 0, data_dir=None
+  config, target, heads: dict, full: dict, first_tokens, seed: int = 0
 ) -> list[dict]:
-  """One row per (scope, drafter): the heads in ``heads`` (name -> DraftHead) and ``copy``."""
-  full = head_trainer.load_heldout_batch(config, data_dir)
+  """One row per (scope, drafter): the heads in ``heads`` (name -> DraftHead) and ``copy``, on
+  the held-out batch ``full`` (:func:`head_trainer.load_heldout_batch`)."""
   settings = head_trainer.step_settings(config.train)
   settings = dataclasses.replace(settings, num_anchors=config.eval.get('heldout_anchors', 64))
   rows = []
@@ -164,12 +164,12 @@ def main(argv):
     name: hf_io.load_draft_head(path, target) for name, path in parse_heads(FLAGS.heads).items()
   }
   first_tokens = [int(n) for n in FLAGS.first_tokens]
-  rows = evaluate_heads(config, target, heads, first_tokens, seed=config.seed)
+  batch = head_trainer.load_heldout_batch(config)
+  rows = evaluate_heads(config, target, heads, batch, first_tokens, seed=config.seed)
   table = markdown(rows)
   decoded = []
   if FLAGS.decode_tokens:
     method = methods.from_config(FLAGS.decode_method)
-    batch = head_trainer.load_heldout_batch(config)
     decoded = decode_heads(target, heads, batch, max_new_tokens=FLAGS.decode_tokens, method=method)
     table += '\n| decoded (greedy) | method | new tokens | tau | rounds | outputs = stored |\n'
     table += '|---|---|---|---|---|---|\n'

@@ -468,7 +468,8 @@ def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
   # and decodes the held-out prompts into the stored greedy responses.
   target = train_lib.load_target_from_config(config.target)
   heads = {'h': js.load_draft_head(tmp_path / 'export', target)}
-  rows = eval_heads.evaluate_heads(config, target, heads, [0, 3], data_dir=tmp_path / 'data')
+  batch = train_lib.load_heldout_batch(config, tmp_path / 'data')
+  rows = eval_heads.evaluate_heads(config, target, heads, batch, [0, 3])
   assert [(r['first_tokens'], r['drafter'][:4]) for r in rows] == [
     (0, 'h'),
     (0, 'copy'),
@@ -478,7 +479,6 @@ def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
   np.testing.assert_allclose(rows[0]['expected_tau'], last['heldout_expected_tau'], rtol=1e-4)
   np.testing.assert_allclose(rows[1]['expected_tau'], copy['expected_tau'], rtol=1e-4)
   assert rows[3]['anchors'] < rows[1]['anchors']  # 2 anchors per sequence within 3 tokens
-  batch = train_lib.load_heldout_batch(config, tmp_path / 'data')
   (decoded,) = eval_heads.decode_heads(
     target, heads, batch, max_new_tokens=6, method=js.methods.Chain()
   )
