@@ -394,6 +394,21 @@ def generate_from_config(
   return shard_paths(data_dir)
 
 
+def select_shards(
+  paths: list[epath.Path], shards_per_dir: int | None = None, skip_per_dir: int = 0
+) -> list[epath.Path]:
+  """Of each directory's shards (``paths`` sorted, as :func:`shard_paths` returns them), the
+  ``shards_per_dir`` after its first ``skip_per_dir`` (``None``: all after them)."""
+  seen = collections.Counter()
+  kept = []
+  for p in paths:
+    i = seen[p.parent]
+    seen[p.parent] += 1
+    if i >= skip_per_dir and (shards_per_dir is None or i < skip_per_dir + shards_per_dir):
+      kept.append(p)
+  return kept
+
+
 def features_path(
   shard: epath.Path, data_dir=None, features_dir=None, kind: str = 'features'
 ) -> epath.Path | pathlib.Path:
@@ -416,8 +431,10 @@ def compute_features(
   *,
   batch_size: int = 8,
   progress: bool = True,
+  shards_per_dir: int | None = None,
 ) -> int:
-  """Recomputes the target features of every shard under ``data_dir`` that has none in
+  """Recomputes the target features of every shard under ``data_dir`` (``shards_per_dir``: of
+  the first that many of each directory, the ones a run reads) that has none in
   ``features_dir`` (a batched teacher-forced forward over prompt + response, the same rows that
   generation collects: taps, then the final-normed hidden state; the last token's row is zeros,
   as the target never reads it). Beside each shard's features go its labels
@@ -450,7 +467,7 @@ def compute_features(
   def done(p):
     return all(features_path(p, data_dir, features_dir, k).exists() for k in ('features', 'labels'))
 
-  todo = [p for p in shard_paths(data_dir) if not done(p)]
+  todo = [p for p in select_shards(shard_paths(data_dir), shards_per_dir) if not done(p)]
   for path in tqdm(todo, desc='features', unit='shard', disable=not progress):
     shard = load_shard(path)
     tokens, lengths = shard['tokens'].astype(np.int32), shard['lengths']
@@ -560,16 +577,11 @@ class TokenShards:
     position (``labels[p]`` = argmax of the target at ``p - 1``; :func:`compute_features`).
     ``subdir``: only the shards under ``data_dir/subdir`` (features still found relative to
     ``data_dir``)."""
-    paths = shard_paths(epath.Path(data_dir) / subdir if subdir else data_dir)
-    if shards_per_dir is not None or skip_per_dir:
-      seen = collections.Counter()  # paths are sorted: each directory's shards in order
-      kept = []
-      for p in paths:
-        i = seen[p.parent]
-        seen[p.parent] += 1
-        if i >= skip_per_dir and (shards_per_dir is None or i < skip_per_dir + shards_per_dir):
-          kept.append(p)
-      paths = kept
+    paths = select_shards(
+      shard_paths(epath.Path(data_dir) / subdir if subdir else data_dir),
+      shards_per_dir,
+      skip_per_dir,
+    )
     if not paths:
       raise FileNotFoundError(f'no shard_*.npz files in {data_dir}')
     loaded = [load_shard(p) for p in paths]

@@ -855,16 +855,18 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if not data_lib.shard_paths(data_dir) or config.data.regenerate_missing:
       data_lib.generate_from_config(config, local_target, data_dir, prompts=prompts, eos=eos)
   features_dir = config.data.get('features_dir') or None
+  target_labels = config.train.get('labels', 'data') == 'target_argmax'
+  heldout_shards = config.eval.get('heldout_shards', 0)
   if features_dir and config.data.get('feature_taps'):  # a cache: rebuilt from the tokens
+    used = config.data.get('shards_per_dir') or None  # only the shards this run reads
     data_lib.compute_features(
       target,
       data_dir,
       features_dir,
       tuple(config.data.feature_taps),
       batch_size=config.data.get('feature_batch', 8),
+      shards_per_dir=None if used is None else heldout_shards + used,
     )
-  target_labels = config.train.get('labels', 'data') == 'target_argmax'
-  heldout_shards = config.eval.get('heldout_shards', 0)
   source = data_lib.TokenShards(
     data_dir,
     max_len=config.data.max_len,
