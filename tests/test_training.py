@@ -641,7 +641,11 @@ def test_features_recomputed_from_token_shards_equal_collected_ones(target, data
   assert np.load(dst)['tokens'].dtype == np.uint16
   cache = tmp_path / 'features'
   assert data_lib.TokenShards(tokens_only, 40, features_dir=cache).feature_taps is None
-  assert data_lib.compute_features(target, tokens_only, cache, taps, batch_size=4) == 2
+  # Only the shards a run reads (the first of each directory here), then the rest, then none.
+  assert (
+    data_lib.compute_features(target, tokens_only, cache, taps, batch_size=4, shards_per_dir=1) == 1
+  )
+  assert data_lib.compute_features(target, tokens_only, cache, taps, batch_size=4) == 1
   assert data_lib.compute_features(target, tokens_only, cache, taps, batch_size=4) == 0
   want, got = (
     data_lib.TokenShards(collected, 40),
@@ -665,6 +669,8 @@ def test_token_shards_keep_the_first_shards_of_each_directory(tmp_path):
   assert len(data_lib.TokenShards(tmp_path)) == 6
   pinned = data_lib.TokenShards(tmp_path, shards_per_dir=2)
   assert sorted(int(pinned[i]['tokens'][0]) for i in range(len(pinned))) == [1, 11, 101, 111]
+  after_heldout = data_lib.TokenShards(tmp_path, shards_per_dir=1, skip_per_dir=1)
+  assert sorted(int(after_heldout[i]['tokens'][0]) for i in range(2)) == [11, 111]
 
 
 RESUME_SCRIPT = r"""
