@@ -49,6 +49,29 @@ def load_prompt_groups(config, tok) -> dict[str, list[np.ndarray]]:
   return sets
 
 
+def config_settings(config, kinds: dict[str, str], temperature: float) -> list[bench.Setting]:
+  """The settings a benchmark config runs at ``temperature`` for heads of ``kinds``
+  (``{name: head kind}``): AR, then every head's chains and trees (:func:`bench.head_settings`).
+  At T > 0 a config may run fewer tree algorithms (``sampled_tree_algorithms``) and copy lengths
+  (``sampled_copy_lens``)."""
+  sampled = temperature > 0
+  algorithms = config.tree_algorithms
+  copy_lens = tuple(config.get('copy_lens', (0,)))
+  if sampled:
+    algorithms = config.get('sampled_tree_algorithms') or algorithms
+    copy_lens = tuple(config.get('sampled_copy_lens') or copy_lens)
+  return bench.head_settings(
+    list(kinds),
+    config.budgets,
+    algorithms,
+    config.width,
+    kinds,
+    tuple(tuple(v) for v in config.get('dspark_verify', (('threshold', 0.0),))),
+    tuple(tuple(v) for v in config.get('jetspecpp_variants', ((False, 0), (True, 0)))),
+    copy_lens,
+  )
+
+
 def run(config, workdir: str) -> dict:
   model_path = js.gguf_io.resolve_model_path(config.target)
   target = js.load_target(model_path)
@@ -59,30 +82,8 @@ def run(config, workdir: str) -> dict:
   ids = [p for _, p in prompts]
   eos = tok.eos_ids if config.get('stop_at_eos', False) else None
   kinds = {name: h.cfg.kind for name, h in heads.items()}
-  dspark_verify = tuple(tuple(v) for v in config.get('dspark_verify', (('threshold', 0.0),)))
-  variants = tuple(tuple(v) for v in config.get('jetspecpp_variants', ((False, 0), (True, 0))))
-  copy_lens = tuple(config.get('copy_lens', (0,)))
-  settings = bench.head_settings(
-    list(heads),
-    config.budgets,
-    config.tree_algorithms,
-    config.width,
-    kinds,
-    dspark_verify,
-    variants,
-    copy_lens,
-  )
-  # At T > 0 a config may run fewer tree algorithms (``sampled_tree_algorithms``).
-  sampled = bench.head_settings(
-    list(heads),
-    config.budgets,
-    config.get('sampled_tree_algorithms') or config.tree_algorithms,
-    config.width,
-    kinds,
-    dspark_verify,
-    variants,
-    copy_lens,
-  )
+  settings = config_settings(config, kinds, temperature=0.0)
+  sampled = config_settings(config, kinds, temperature=1.0)
   # One shape for every prompt, so each setting compiles once (warm-up) and timings exclude it.
   overhang = max(config.budgets) + max(h.cfg.block_size for h in heads.values())
   shapes = js.decoding.shared_shapes(ids, config.max_new_tokens, overhang)

@@ -1,8 +1,13 @@
-"""Benchmark of SmolLM2-135M-Instruct (the main job's model) with its two heads, on the CPU.
+"""Benchmark of SmolLM2-135M-Instruct (the main job's model) with its heads, on the CPU.
 
-Run (the README's SmolLM2 table):
+Run (the README's SmolLM2 table: the shipped JetSpec and DFlash-style heads, chains and trees of
+8 and 16 nodes with and without 4 copy candidates at T=0, without them at T=1, batch 1 and 8,
+transformers' own generate beside them; 9 held-out prompts):
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py \
       --workdir=benchmarks/smollm2_135m
+The budget sweep (8-128 nodes, accum_logp and top2gap, 6 prompts) the configs below start from:
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:sweep \
+      --workdir=benchmarks/smollm2_135m_sweep
 DSpark against JetSpec and DFlash-style (all three heads: same data, size and steps), batch 1 and
 8, T=0 and T=1:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:dspark \
@@ -64,6 +69,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.batch_sizes = ()
   config.batch_budget = 16
   config.batch_head = 'jetspec'
+  if arg is None:  # the shipped heads' settings that matter on a CPU
+    config.num_per_group = 3
+    config.budgets = (8, 16)
+    config.tree_algorithms = ('accum_logp',)
+    config.copy_lens = (0, 4)
+    config.sampled_copy_lens = (0,)  # T=1: the heads alone
+    config.batch_sizes = (1, 8)
+    config.batch_temperatures = (0.0,)
+    config.batch_settings = ('ar', 'tree/jetspec/accum_logp/8/copy4', 'tree/jetspec/accum_logp/16')
   if arg == 'dspark':
     config.heads.dspark = 'assets/dspark_head_smollm2_135m'
     config.num_per_group = 3
