@@ -97,7 +97,9 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     # experiments/benchmark_training.py; assets/README.md has the table): the whole vocabulary
     # ran 382 slots/s at 16 anchors, the 99% draft vocabulary 585 (1.56x the code before it,
     # 375); 32 anchors give the same slots/s with twice the data per step. bfloat16-input
-    # matmuls (compute_dtype) are slower on this CPU (no AMX): off here.
+    # matmuls (compute_dtype) are slower on that CPU (no AMX, no AVX512-BF16) and 1.1x faster on
+    # one with AVX512-BF16 (681 -> 753 slots/s, benchmarks/training_throughput_smollm2_avx512bf16
+    # .json): off, so every head here trains in float32.
     num_anchors=32,
     loss='ce',
     labels='target_argmax',  # CE on the target's greedy token, also on sampled sequences
