@@ -17,14 +17,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.prompts = 'chat'  # held-out chat-formatted code + chat requests; 'code': raw HumanEval
   config.num_prompts = 4
   config.max_new_tokens = 96
-  config.budget = 16
+  # A tree of 8 nodes, 4 of them copy candidates in 'tree+copy': the fastest CPU setting of the
+  # SmolLM2 benchmark (a round costs more with every node on a CPU: docs/benchmarks.md §2).
+  config.budget = 8
   config.width = 7
-  config.copy_len = 7  # 'tree+copy': copy candidates from the context (the heads' whole depth)
+  config.copy_len = 4  # 'tree+copy': copy candidates from the context (prompt lookup)
   if arg in ('code_small', 'tiny'):
     config.target = 'assets/target_code_small'
     config.head = 'assets/jetspec_head_code_small'
     config.prompts = 'code'
     config.budget = 32
+    config.copy_len = 7
   if arg == 'tiny':
     config.num_prompts = 2
     config.max_new_tokens = 24
