@@ -857,20 +857,21 @@ def train_and_evaluate(config, workdir: str) -> dict:
   features_dir = config.data.get('features_dir') or None
   target_labels = config.train.get('labels', 'data') == 'target_argmax'
   heldout_shards = config.eval.get('heldout_shards', 0)
+  shards_per_dir = config.data.get('shards_per_dir') or None
   if features_dir and config.data.get('feature_taps'):  # a cache: rebuilt from the tokens
-    used = config.data.get('shards_per_dir') or None  # only the shards this run reads
     data_lib.compute_features(
       target,
       data_dir,
       features_dir,
       tuple(config.data.feature_taps),
       batch_size=config.data.get('feature_batch', 8),
-      shards_per_dir=None if used is None else heldout_shards + used,
+      # only the shards this run reads: the held-out ones, then the training ones
+      shards_per_dir=None if shards_per_dir is None else heldout_shards + shards_per_dir,
     )
   source = data_lib.TokenShards(
     data_dir,
     max_len=config.data.max_len,
-    shards_per_dir=config.data.get('shards_per_dir') or None,
+    shards_per_dir=shards_per_dir,
     skip_per_dir=heldout_shards,
     features_dir=features_dir,
     target_labels=target_labels,
