@@ -10,7 +10,6 @@ timing is the median of ``--repeats`` synchronised calls after a compile and a w
 
 import json
 import pathlib
-import platform
 import time
 
 import jax
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments import bench
 from jetspec_jax.models import gguf_io, hf_io, matmul
 
 MATMULS = ((1, 576, 1536), (16, 576, 1536), (1024, 576, 1536), (1024, 576, 49152))
@@ -77,7 +77,7 @@ def target_times() -> list[dict]:
 def main(argv):
   del argv
   record = dict(
-    machine=platform.processor() or platform.machine(),
+    machine=bench.cpu_description(),
     devices=str(jax.devices()),
     matmuls=matmul_rates(),
     smollm2_135m=target_times(),

@@ -13,7 +13,6 @@ steps, then the median of ``--steps`` timed steps. Slots are the active (loss-ca
 
 import json
 import pathlib
-import platform
 import time
 
 import jax
@@ -21,6 +20,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import bench
 from jetspec_jax import sharding
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import data as data_lib
@@ -111,7 +111,7 @@ def main(argv):
     print(json.dumps(result), flush=True)
   if flags.FLAGS.out:
     record = dict(
-      machine=platform.processor() or platform.machine(),
+      machine=bench.cpu_description(),
       devices=str(jax.devices()),
       head_kind=head_cfg.kind,
       global_batch=config.train.global_batch,

@@ -80,3 +80,12 @@ def test_markdown_and_write_result(tmp_path):
   path = bench.write_result({'rows': [1]}, tmp_path / 'out', 'r', table)
   assert json.loads(path.read_text()) == {'rows': [1]}
   assert (tmp_path / 'out' / 'r.md').read_text() == table
+
+
+def test_cpu_description_names_the_bf16_units(tmp_path):
+  info = tmp_path / 'cpuinfo'
+  info.write_text('processor\t: 0\nmodel name\t: Xeon X\nflags\t\t: sse avx512_bf16 amx_bf16\n')
+  assert bench.cpu_description(str(info)) == 'Xeon X (amx_bf16, avx512_bf16)'
+  info.write_text('model name\t: EPYC Y\nflags\t\t: sse avx2\n')
+  assert bench.cpu_description(str(info)) == 'EPYC Y (no amx_bf16 / avx512_bf16)'
+  assert bench.cpu_description(str(tmp_path / 'missing'))  # the architecture, not an error

@@ -137,6 +137,22 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
   assert len(benchmark.config_settings(sweep, kinds, temperature=0.0)) == 1 + 2 * (1 + 5 * 2)
 
 
+SMOLLM2_BENCHMARKS = [None, 'sweep', 'dspark', 'jetspecpp', 'copy', 'recipe', 'copy_seeded']
+
+
+@pytest.mark.parametrize('arg', SMOLLM2_BENCHMARKS + ['equal_data', 'quick'])
+def test_smollm2_benchmark_configs_name_settings_they_run(arg):
+  """Every batch and round-cost setting a SmolLM2 benchmark config names is one of its runs."""
+  from experiments.configs import benchmark_smollm2
+
+  config = benchmark_smollm2.get_config(arg)
+  known = ('jetspec', 'dflash', 'dspark', 'jetspecpp')
+  kinds = {name: name if name in known else 'jetspec' for name in config.heads}
+  greedy = {s.name for s in benchmark.config_settings(config, kinds, temperature=0.0)}
+  assert set(config.get('batch_settings', ())) <= greedy
+  assert set(config.get('round_cost_settings') or ()) <= greedy
+
+
 @pytest.mark.parametrize('name', ['jetspec', 'dflash'])
 def test_code_small_head_configs(name):
   from experiments.configs import draft_code_small

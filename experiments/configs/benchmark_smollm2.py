@@ -12,8 +12,8 @@ DSpark against JetSpec and DFlash-style (all three heads: same data, size and st
 8, T=0 and T=1:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:dspark \
       --workdir=benchmarks/smollm2_135m_dspark
-JetSpec++ against JetSpec and DSpark (same data, size and steps): tau with and without recycled
-guesses and refine passes, guess accuracy, the head's share of a round, batch 1 and 8:
+JetSpec++ against JetSpec (same recipe, data, size and steps): trees of 8 nodes with and without
+copy candidates, MASK slots and recycled guesses, T=0 and T=1, the head's share of a round:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:jetspecpp \
       --workdir=benchmarks/smollm2_135m_jetspecpp
 Copy candidates (prompt lookup joined to the trees, chains and JetSpec++ trees; tau, speedup and
@@ -95,36 +95,27 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       'dspark/dspark/scheduler',
     )
   if arg == 'jetspecpp':
+    # JetSpec++ against JetSpec, both heads of the same recipe, data (3,376 sequences), size and
+    # steps: trees of 8 nodes with and without 4 copy candidates, MASK slots (= JetSpec drafting
+    # with this head) and recycled guesses, T=0 and T=1, batch 1.
     config.heads = ml_collections.ConfigDict(
       dict(
         jetspec='assets/jetspec_head_smollm2_135m',
-        dspark='assets/dspark_head_smollm2_135m',
         jetspecpp='assets/jetspecpp_head_smollm2_135m',
       )
     )
     config.num_per_group = 3
-    config.budgets = (8, 16)
+    config.budgets = (8,)
     config.tree_algorithms = ('accum_logp',)
-    config.dspark_verify = (('threshold', 0.3), ('scheduler', 0.0))
-    # (recycle, refine_passes): MASK slots (= JetSpec drafting with this head), recycled
-    # guesses, an in-round refine pass, both.
-    config.jetspecpp_variants = ((False, 0), (True, 0), (False, 1), (True, 1))
+    config.copy_lens = (0, 4)
+    config.sampled_copy_lens = (0,)
+    # (recycle, refine_passes): MASK slots, recycled guesses.
+    config.jetspecpp_variants = ((False, 0), (True, 0))
     config.peers = ()
-    config.batch_sizes = (1, 8)
-    config.batch_temperatures = (0.0,)
-    config.batch_settings = (
-      'ar',
-      'tree/jetspec/accum_logp/16',
-      'dspark/dspark/scheduler',
-      'jetspecpp/jetspecpp/accum_logp/16/mask/passes0',
-      'jetspecpp/jetspecpp/accum_logp/16/recycle/passes0',
-    )
-    config.round_cost_batches = (1, 8)
+    config.round_cost_batches = (1,)  # the head's share of a round
     config.round_cost_settings = (
-      'tree/jetspec/accum_logp/16',
-      'dspark/dspark/scheduler',
-      'jetspecpp/jetspecpp/accum_logp/16/recycle/passes0',
-      'jetspecpp/jetspecpp/accum_logp/16/recycle/passes1',
+      'tree/jetspec/accum_logp/8/copy4',
+      'jetspecpp/jetspecpp/accum_logp/8/recycle/passes0/copy4',
     )
   if arg == 'copy':
     config.heads.jetspecpp = 'assets/jetspecpp_head_smollm2_135m'
