@@ -59,6 +59,7 @@ def test_benchmark_runs_on_tiny_config(tmp_path):
     'config',
     'device',
     'backend',
+    'cpu',
     'versions',
     'num_prompts',
     'rows',
