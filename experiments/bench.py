@@ -281,7 +281,14 @@ def round_cost(
   prompts = jnp.ones((batch, prompt_len), jnp.int32)
   lengths = jnp.full((batch,), prompt_len, jnp.int32)
   state = js.rounds.start_rounds(
-    target, head, prompts, lengths, jax.random.key(0), capacity=capacity, sampling=sampling
+    target,
+    head,
+    prompts,
+    lengths,
+    jax.random.key(0),
+    capacity=capacity,
+    sampling=sampling,
+    keep_history=getattr(setting.method, 'copy_len', 0) > 0,  # copy candidates search it
   )
   if hasattr(round_fn, 'init_state'):
     state = round_fn.init_state(head, state)
