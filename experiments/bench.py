@@ -288,7 +288,7 @@ def round_cost(
     jax.random.key(0),
     capacity=capacity,
     sampling=sampling,
-    keep_history=getattr(setting.method, 'copy_len', 0) > 0,  # copy candidates search it
+    keep_history=getattr(round_fn, 'keeps_history', False),  # as the decode loop starts it
   )
   if hasattr(round_fn, 'init_state'):
     state = round_fn.init_state(head, state)

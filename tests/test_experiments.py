@@ -138,10 +138,10 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
   assert len(benchmark.config_settings(sweep, kinds, temperature=0.0)) == 1 + 2 * (1 + 5 * 2)
 
 
-SMOLLM2_BENCHMARKS = [None, 'sweep', 'dspark', 'jetspecpp', 'copy', 'recipe', 'copy_seeded']
-
-
-@pytest.mark.parametrize('arg', SMOLLM2_BENCHMARKS + ['equal_data', 'quick'])
+@pytest.mark.parametrize(
+  'arg',
+  [None, 'sweep', 'dspark', 'jetspecpp', 'copy', 'recipe', 'copy_seeded', 'equal_data', 'quick'],
+)
 def test_smollm2_benchmark_configs_name_settings_they_run(arg):
   """Every batch and round-cost setting a SmolLM2 benchmark config names is one of its runs."""
   from experiments.configs import benchmark_smollm2
