@@ -9,6 +9,8 @@ cache is needed). A variant is ``full`` (the whole 49k vocabulary), ``vocabNN`` 
 vocabulary covering NN% of the data's response tokens, ``vocab995`` = 99.5%), either with
 ``+bf16`` (bfloat16-input, float32-accumulate matmuls). Each variant: one compile, ``--warmup``
 steps, then the median of ``--steps`` timed steps. Slots are the active (loss-carrying) slots.
+``--config.train.micro_batches=N`` times the step as N accumulated slices of the batch (the same
+loss and gradients; with N = the batch, one sequence per slice).
 """
 
 import json
@@ -56,6 +58,7 @@ def time_variant(config, target, head_cfg, source, name: str, steps: int, warmup
     remat=config.train.remat,
     consistency_weight=config.train.consistency_weight,
     compute_dtype=compute_dtype,
+    micro_batches=config.train.micro_batches,
   )
   optimizer = make_optimizer(lr=1e-4, steps=100, warmup_steps=1)
   step = head_trainer.make_train_step(
@@ -116,6 +119,7 @@ def main(argv):
       head_kind=head_cfg.kind,
       global_batch=config.train.global_batch,
       num_anchors=config.train.num_anchors,
+      micro_batches=config.train.micro_batches,
       block_size=head_cfg.block_size,
       results=results,
     )

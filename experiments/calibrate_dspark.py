@@ -30,6 +30,7 @@ flags.DEFINE_string('head', None, 'The DSpark head to calibrate (released layout
 flags.DEFINE_string('target', 'smollm2_135m_instruct', 'Packaged model name or checkpoint path.')
 flags.DEFINE_string('data_dir', None, 'Greedy self-distilled shards with stored features.')
 flags.DEFINE_string('features_dir', None, 'Where their features are, if not beside the shards.')
+flags.DEFINE_string('subdir', None, "Only the shards under data_dir/subdir (e.g. 'greedy').")
 flags.DEFINE_string('fit_shards', '6,1', 'SKIP,COUNT of the shards the temperatures are fit on.')
 flags.DEFINE_string('eval_shards', '7,1', 'SKIP,COUNT of the shards the ECE is reported on.')
 flags.DEFINE_integer('num_anchors', 16, 'Blocks per sequence.')
@@ -47,6 +48,7 @@ def shards(spec: str):
     shards_per_dir=count,
     skip_per_dir=skip,
     features_dir=FLAGS.features_dir,
+    subdir=FLAGS.subdir,
   )
 
 
@@ -87,6 +89,7 @@ def main(argv):
   report.update(
     head=FLAGS.head,
     data_dir=FLAGS.data_dir,
+    subdir=FLAGS.subdir,
     fit_shards=FLAGS.fit_shards,
     eval_shards=FLAGS.eval_shards,
     device=jax.devices()[0].device_kind,

@@ -767,3 +767,12 @@ def test_the_log_says_progress_and_orbax_stays_quiet(tmp_path, monkeypatch):
   )
   assert lines[-1].startswith('step 3/3')
   assert not [r for r in records if f'{os.sep}orbax{os.sep}' in r.pathname]
+
+
+def test_only_shards_picks_shards_of_one_kind():
+  counts = dict(greedy=48, sampled=16)
+  assert data_lib.parse_only_shards('', counts) is None
+  assert data_lib.parse_only_shards('greedy:35,36', counts) == {('greedy', 35), ('greedy', 36)}
+  for bad in ('greedy', 'typo:1', 'sampled:16', 'greedy:-1'):
+    with pytest.raises(ValueError, match='only_shards'):
+      data_lib.parse_only_shards(bad, counts)

@@ -79,21 +79,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.batch_temperatures = (0.0,)
     config.batch_settings = ('ar', 'tree/jetspec/accum_logp/8/copy4', 'tree/jetspec/accum_logp/16')
   if arg == 'dspark':
-    config.heads.dspark = 'assets/dspark_head_smollm2_135m'
+    # DSpark against JetSpec on the same data (3,376 sequences) and steps: the JetSpec head's
+    # fastest CPU settings (trees of 8 nodes, with and without 4 copy candidates) beside DSpark's
+    # chain verified whole (threshold 0), cut by its confidences (0.3) and by its scheduler.
+    config.heads = ml_collections.ConfigDict(
+      dict(
+        jetspec='assets/jetspec_head_smollm2_135m',
+        dspark='assets/dspark_head_smollm2_135m',
+      )
+    )
     config.num_per_group = 3
-    config.budgets = (8, 16)
+    config.budgets = (8,)
     config.tree_algorithms = ('accum_logp',)
+    config.copy_lens = (0, 4)
+    config.sampled_copy_lens = (0,)
     config.dspark_verify = (('threshold', 0.0), ('threshold', 0.3), ('scheduler', 0.0))
     config.peers = ()
-    config.batch_sizes = (1, 8)
-    config.batch_temperatures = (0.0, 1.0)
-    config.batch_settings = (
-      'ar',
-      'chain/dflash',
-      'tree/jetspec/accum_logp/16',
-      'dspark/dspark/threshold0.3',
-      'dspark/dspark/scheduler',
-    )
+    config.round_cost_batches = (1,)
+    config.round_cost_settings = ('tree/jetspec/accum_logp/8/copy4', 'dspark/dspark/threshold0')
   if arg == 'jetspecpp':
     # JetSpec++ against JetSpec, both heads of the same recipe, data (3,376 sequences), size and
     # steps: trees of 8 nodes with and without 4 copy candidates, MASK slots (= JetSpec drafting

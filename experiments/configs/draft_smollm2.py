@@ -86,6 +86,7 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       temperature=1.0,
       top_p=1.0,
       regenerate_missing=False,
+      only_shards='',  # e.g. 'greedy:35,36': generate just those (held-out calibration data)
       feature_taps=(1, 8, 15, 22, 27),  # = head.target_layer_ids; the features training reads
       # Train on the first N shards of greedy/ and sampled/ after the held-out one (0: all).
       # 34: every committed shard (greedy 1-34, sampled 1-19), 3,376 sequences, the shipped

@@ -299,6 +299,21 @@ def generate_dataset(
   return paths
 
 
+def parse_only_shards(spec: str, num_shards: dict[str, int]) -> set[tuple[str, int]] | None:
+  """``'greedy:35,36'`` -> {('greedy', 35), ('greedy', 36)}; ``''`` -> None (every shard)."""
+  if not spec:
+    return None
+  kind, _, indices = spec.partition(':')
+  if kind not in num_shards or not indices:
+    raise ValueError(
+      f"only_shards must look like 'greedy:35,36' (kinds {list(num_shards)}), got {spec!r}"
+    )
+  wanted = {(kind, int(i)) for i in indices.split(',')}
+  if any(not 0 <= i < num_shards[kind] for _, i in wanted):
+    raise ValueError(f'only_shards {spec!r}: {kind} has shards 0..{num_shards[kind] - 1}')
+  return wanted
+
+
 def generate_greedy_and_sampled(
   target: decoder.Target, prompts: Sequence[np.ndarray], data_dir, data_config, *, seed: int, eos
 ) -> dict[str, int]:
@@ -306,7 +321,8 @@ def generate_greedy_and_sampled(
   ``sampled_every``-th prompt sampled at ``temperature`` (top-p ``top_p``), the rest greedily.
 
   Shards of the two kinds are produced alternately, so a partial dataset already mixes both; a
-  re-run skips finished shards. Returns the number of prompts of each kind.
+  re-run skips finished shards. ``data_config.only_shards`` (e.g. ``'greedy:35,36'``; empty: all)
+  generates just those shards of one kind. Returns the number of prompts of each kind.
   """
   data_dir = epath.Path(data_dir)
   every = data_config.sampled_every
@@ -316,9 +332,10 @@ def generate_greedy_and_sampled(
   }
   size = data_config.shard_size
   num_shards = {k: -(-len(p) // size) for k, (p, _) in kinds.items()}
+  wanted = parse_only_shards(data_config.get('only_shards', ''), num_shards)
   for shard in range(max(num_shards.values())):
     for kind, (kind_prompts, temperature) in kinds.items():
-      if shard >= num_shards[kind]:
+      if shard >= num_shards[kind] or (wanted is not None and (kind, shard) not in wanted):
         continue
       generate_dataset(
         target,
