@@ -17,12 +17,13 @@ Heads (same data, size and steps):
   python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:jetspecpp \
       --workdir=runs/jetspecpp
 Status: the shipped JetSpec and DFlash-style heads (assets/{jetspec,dflash}_head_smollm2_135m)
-are this config's defaults: every committed shard (3,376 sequences, 869,430 tokens), 800 steps of
+are this config's defaults: the committed shards greedy 1-34 and sampled 1-19 (3,376 sequences,
+869,430 tokens; greedy 0 is the held-out set, 35-36 the DSpark calibration's), 800 steps of
 8 sequences x 32 blocks, copy seeds, depth weights, init from the target's last layers; both at
 once on 2 cores, 67 min each after 49 min of features. Held-out depth-1 accuracy 0.670 / 0.668,
 expected chain tau 3.30 / 3.28 (assets/README.md). The shipped JetSpec++ head is this config's
 ``:jetspecpp`` on the same data (57 min after the features, on another 2-core machine): 0.481 /
-1.70 (no copy seeds). The DSpark head shipped is still the first one (768 sequences, 1000 steps).
+1.70 (no copy seeds), and the shipped DSpark head its ``:dspark`` (84 min): 0.576 / 2.39.
 
 Prompts are made offline and never include an evaluation prompt: instructions the model writes
 itself from its bare user-turn prefix, coding tasks from the standard library's training split,
@@ -89,8 +90,8 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       only_shards='',  # e.g. 'greedy:35,36': generate just those (held-out calibration data)
       feature_taps=(1, 8, 15, 22, 27),  # = head.target_layer_ids; the features training reads
       # Train on the first N shards of greedy/ and sampled/ after the held-out one (0: all).
-      # 34: every committed shard (greedy 1-34, sampled 1-19), 3,376 sequences, the shipped
-      # heads' data; 20: the 2,480 sequences of the equal-data runs in assets/README.md.
+      # 34: greedy 1-34 and sampled 1-19, 3,376 sequences, the shipped heads' data (greedy 35-36
+      # are held out for the DSpark calibration); 20: the 2,480 sequences of the equal-data runs.
       shards_per_dir=34,
     )
   )
