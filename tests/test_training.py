@@ -773,6 +773,6 @@ def test_only_shards_picks_shards_of_one_kind():
   counts = dict(greedy=48, sampled=16)
   assert data_lib.parse_only_shards('', counts) is None
   assert data_lib.parse_only_shards('greedy:35,36', counts) == {('greedy', 35), ('greedy', 36)}
-  for bad in ('greedy', 'typo:1', 'sampled:16', 'greedy:-1'):
+  for bad in ('greedy', 'typo:1', 'sampled:16', 'greedy:-1', 'greedy:1,x'):
     with pytest.raises(ValueError, match='only_shards'):
       data_lib.parse_only_shards(bad, counts)

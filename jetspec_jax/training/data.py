@@ -304,11 +304,15 @@ def parse_only_shards(spec: str, num_shards: dict[str, int]) -> set[tuple[str, i
   if not spec:
     return None
   kind, _, indices = spec.partition(':')
+  bad = ValueError(
+    f"only_shards must look like 'greedy:35,36' (kinds {list(num_shards)}), got {spec!r}"
+  )
   if kind not in num_shards or not indices:
-    raise ValueError(
-      f"only_shards must look like 'greedy:35,36' (kinds {list(num_shards)}), got {spec!r}"
-    )
-  wanted = {(kind, int(i)) for i in indices.split(',')}
+    raise bad
+  try:
+    wanted = {(kind, int(i)) for i in indices.split(',')}
+  except ValueError:
+    raise bad from None
   if any(not 0 <= i < num_shards[kind] for _, i in wanted):
     raise ValueError(f'only_shards {spec!r}: {kind} has shards 0..{num_shards[kind] - 1}')
   return wanted
