@@ -146,6 +146,51 @@ def measure(
   return outputs
 
 
+def measure_interleaved(
+  target,
+  heads: dict,
+  settings: Sequence[Setting],
+  prompts: Sequence[np.ndarray],
+  *,
+  max_new_tokens: int,
+  temperature: float = 0.0,
+  shapes: dict | None = None,
+  eos_id=None,
+) -> dict[str, list]:
+  """:func:`measure` for several settings at once, prompt by prompt: every setting compiles
+  first, then prompt ``i`` is decoded by each setting in turn (the order rotated by one per
+  prompt), so a machine whose speed drifts during the run (a shared VM) slows every setting
+  alike instead of the ones that ran in its slow minutes. Every setting's programs stay compiled
+  until the end: fit for a few dozen settings (:func:`measure` frees them one setting at a time).
+  Returns ``{setting.name: outputs}``, each as :func:`measure`'s."""
+  names = [s.name for s in settings]
+  if len(set(names)) != len(names):
+    raise ValueError(f'settings must have distinct names, got {names}')
+
+  def decode(setting, prompt, seed):
+    return js.generate(
+      target,
+      heads[setting.head] if setting.head else None,
+      prompt,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      seed=seed,
+      eos_id=eos_id,
+      method=setting.method,
+      **(shapes or {}),
+    )
+
+  for setting in settings:  # compile warm-ups
+    decode(setting, prompts[0], 0)
+  outputs = {name: [] for name in names}
+  for i, prompt in enumerate(prompts):
+    shift = i % len(settings)
+    for setting in list(settings[shift:]) + list(settings[:shift]):
+      outputs[setting.name].append(decode(setting, prompt, i))
+  jax.clear_caches()
+  return outputs
+
+
 def tau_histogram(taus: np.ndarray, max_tau: int = 16) -> list[int]:
   """``counts[k]``: rounds that committed ``k`` tokens, ``k = 0 .. max(max_tau, taus.max())``."""
   return np.bincount(np.asarray(taus, int), minlength=max_tau + 1).tolist()

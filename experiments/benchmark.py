@@ -5,12 +5,15 @@
       --workdir=benchmarks/smollm2_135m
 
 For every temperature, every prompt is decoded with AR and with each (head, method, budget, tree
-algorithm) setting, in one process, after a compile warm-up per setting. Speedup = AR wall time /
-method wall time on the same prompts and ``max_new_tokens`` (docs/design.md §6); greedy outputs are
-checked identical to AR's. With ``config.peers``, transformers' own ``generate`` (greedy and
-prompt-lookup) decodes the same prompts from the same model file. Writes ``benchmark.json``
-(config, versions, device, per-prompt numbers, aggregates per prompt group), ``benchmark.md`` and
-plots (tau vs budget, speedup vs budget, histogram of tokens per round).
+algorithm) setting, in one process, after a compile warm-up per setting; with
+``config.interleave`` prompt by prompt across the settings (:func:`bench.measure_interleaved`: on
+a machine whose speed drifts, every setting meets the drift alike), else setting after setting.
+Speedup = AR wall time / method wall time on the same prompts and ``max_new_tokens``
+(docs/design.md §6); greedy outputs are checked identical to AR's. With ``config.peers``,
+transformers' own ``generate`` (greedy and prompt-lookup) decodes the same prompts from the same
+model file. Writes ``benchmark.json`` (config, versions, device, per-prompt numbers, aggregates
+per prompt group), ``benchmark.md`` and plots (tau vs budget, speedup vs budget, histogram of
+tokens per round).
 """
 
 import pathlib
@@ -90,18 +93,16 @@ def run(config, workdir: str) -> dict:
   rows, per_prompt, ar_tokens = [], [], None
   for temperature in config.temperatures:
     runs = settings if temperature == 0 else sampled
-    outputs = {}
-    for setting in tqdm(runs, desc=f'T={temperature}', unit='setting'):
-      outputs[setting.name] = bench.measure(
-        target,
-        heads,
-        setting,
-        ids,
-        max_new_tokens=config.max_new_tokens,
-        temperature=temperature,
-        shapes=shapes,
-        eos_id=eos,
-      )
+    common = dict(
+      max_new_tokens=config.max_new_tokens, temperature=temperature, shapes=shapes, eos_id=eos
+    )
+    if config.get('interleave', False):  # prompt by prompt: speed drift hits every setting alike
+      logging.info('T=%s: %d settings, interleaved', temperature, len(runs))
+      outputs = bench.measure_interleaved(target, heads, runs, ids, **common)
+    else:
+      outputs = {}
+      for setting in tqdm(runs, desc=f'T={temperature}', unit='setting'):
+        outputs[setting.name] = bench.measure(target, heads, setting, ids, **common)
     ar = outputs['ar']
     if temperature == 0:
       ar_tokens = [o.tokens for o in ar]

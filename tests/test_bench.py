@@ -89,3 +89,29 @@ def test_cpu_description_names_the_bf16_units(tmp_path):
   info.write_text('model name\t: EPYC Y\nflags\t\t: sse avx2\n')
   assert bench.cpu_description(str(info)) == 'EPYC Y (no amx_bf16 / avx512_bf16)'
   assert bench.cpu_description(str(tmp_path / 'missing'))  # the architecture, not an error
+
+
+def test_measure_interleaved_decodes_prompt_by_prompt_in_rotating_order(monkeypatch):
+  calls = []
+
+  def fake_generate(target, head, prompt, *, seed, method, **kwargs):
+    calls.append((method.name, int(prompt[0]), seed))
+    return fake_output([int(prompt[0])], [1], 0.1)
+
+  monkeypatch.setattr(js, 'generate', fake_generate)
+  settings = bench.head_settings(['jetspec'], budgets=(8,), algorithms=('accum_logp',))
+  prompts = [np.array([10]), np.array([11]), np.array([12])]
+  heads = dict(jetspec=object())
+  outputs = bench.measure_interleaved(None, heads, settings, prompts, max_new_tokens=4)
+  warmups = [('ar', 10, 0), ('chain', 10, 0), ('tree', 10, 0)]
+  assert calls[:3] == warmups  # every setting compiles before any timed decode
+  assert calls[3:] == [
+    ('ar', 10, 0), ('chain', 10, 0), ('tree', 10, 0),
+    ('chain', 11, 1), ('tree', 11, 1), ('ar', 11, 1),
+    ('tree', 12, 2), ('ar', 12, 2), ('chain', 12, 2),
+  ]  # fmt: skip
+  assert list(outputs) == [s.name for s in settings]
+  for outs in outputs.values():  # each setting's outputs in prompt order
+    assert [int(o.tokens[0]) for o in outs] == [10, 11, 12]
+  with pytest.raises(ValueError, match='distinct'):
+    bench.measure_interleaved(None, heads, settings + settings[:1], prompts, max_new_tokens=4)
