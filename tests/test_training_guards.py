@@ -220,6 +220,76 @@ def test_mixed_precision_matmul_and_its_gradients():
     assert 1e-5 < err < 3e-2  # bfloat16 inputs: close, but not the float32 result
 
 
+def test_folded_vmap_matmul_has_the_same_values_and_gradients():
+  """``fold_vmapped_rows``: grad of a vmapped loss (nested vmaps, per-example weights too) is
+  the unfolded one up to float32 summation order; the weight gradient is one matmul over every
+  example's rows (no per-example gradients to sum)."""
+  x = jax.random.normal(jax.random.key(0), (4, 3, 6, 12))
+  w = jax.random.normal(jax.random.key(1), (12, 7))
+  ws = jax.random.normal(jax.random.key(2), (4, 12, 7))
+  mm = lambda a, b: matmul.matmul(a, b, 1, jnp.bfloat16)
+  losses_of = dict(
+    shared=lambda x, w: jnp.sum(jax.vmap(lambda r: jnp.sin(mm(r, w)))(x) ** 2),
+    nested=lambda x, w: jnp.sum(jax.vmap(jax.vmap(lambda r: jnp.sin(mm(r, w))))(x) ** 2),
+    per_example=lambda x, w: jnp.sum(jax.vmap(lambda r, v: jnp.sin(mm(r, v)))(x, ws + w) ** 2),
+  )
+  for name, loss in losses_of.items():
+    want = jax.grad(loss, (0, 1))(x, w)
+    with matmul.fold_vmapped_rows():
+      got = jax.grad(loss, (0, 1))(x, w)
+      folded_jaxpr = str(jax.make_jaxpr(jax.grad(loss, 1))(x, w))
+    for g, h in zip(got, want):
+      np.testing.assert_allclose(
+        np.asarray(g), np.asarray(h), rtol=2e-3, atol=2e-3 * float(jnp.abs(h).max())
+      )
+    if name == 'shared':  # per-example weight gradients, summed: only without folding
+      summed = 'f32[12,7] = reduce_sum'
+      assert summed in str(jax.make_jaxpr(jax.grad(loss, 1))(x, w))
+      assert summed not in folded_jaxpr
+  with matmul.fold_vmapped_rows(), pytest.raises(ValueError, match='Linearization'):
+    jax.grad(lambda w: jnp.sum(mm(x[0, 0], w)))(w)  # grad without a vmap: documented to fail
+
+
+@pytest.mark.parametrize('kind', ['jetspec', 'dspark', 'jetspecpp'])
+def test_bf16_train_step_gradients_equal_per_sequence_gradients(target, kind):
+  """The train step's batch loss (sequences vmapped, bf16 matmuls folded over them) has the
+  gradients of the per-sequence losses taken one sequence at a time and summed."""
+  head = random_head(target, kind)
+  settings = train_lib.StepSettings(
+    num_anchors=4,
+    loss='dspark' if kind == 'dspark' else 'ce',
+    loss_chunk=4,
+    remat=True,
+    compute_dtype='bfloat16',
+  )
+  width = (len(TAPS) + 1) * target.cfg.hidden_size
+  rng = np.random.default_rng(0)
+  batch = dict(
+    tokens=js.testing.random_ids(5, (3, 20), VOCAB),
+    loss_mask=np.pad(np.ones((3, 19), np.int32), ((0, 0), (1, 0))),
+    lengths=np.array([20, 17, 14], np.int32),
+    index=np.arange(3, dtype=np.int32),
+    features=rng.standard_normal((3, 20, width)).astype(np.float32),
+  )
+  batch = jax.tree.map(jnp.asarray, batch)
+  key = jax.random.key(7)
+  folded = jax.grad(lambda p: train_lib.batch_sums(p, head.cfg, target, batch, key, settings).loss)(
+    head.params
+  )
+
+  def one(p, i):
+    single = jax.tree.map(lambda x: x[i : i + 1], batch)
+    return train_lib.batch_sums(p, head.cfg, target, single, key, settings).loss
+
+  per_sequence = [jax.grad(one)(head.params, i) for i in range(3)]
+  want = jax.tree.map(lambda *g: sum(g), *per_sequence)
+  # bfloat16 rounding turns float32 summation-order noise into per-element jumps of up to
+  # 2^-8, so the whole tensors are compared: a lost or doubled sequence is tens of percent off.
+  for g, h in zip(jax.tree.leaves(folded), jax.tree.leaves(want)):
+    err = float(jnp.linalg.norm(g - h) / jnp.maximum(jnp.linalg.norm(h), 1e-12))
+    assert err < 1e-2, (g.shape, err)
+
+
 def test_bf16_compute_target_is_close_to_float32(target):
   """Mixed-precision matmuls in the target: close to float32, not equal. (Greedy decoding in
   this mode is not bit-identical between the 1-row decode and the multi-row verify: bfloat16
