@@ -9,34 +9,20 @@ float32. Plain ``jax.grad`` of a bf16-input dot would instead multiply the float
 bfloat16 operand, which XLA runs as a float32 dot.
 
 :func:`dot_general` plugs into Flax's ``nn.Dense(dot_general=...)`` / ``nn.DenseGeneral``;
-:func:`matmul` contracts the trailing axes of ``x`` with the leading axes of ``w``;
-:func:`fold_vmapped_rows` makes ``grad`` of a vmapped loss take each weight gradient in one
-matmul.
+:func:`matmul` contracts the trailing axes of ``x`` with the leading axes of ``w``.
 """
 
-import contextlib
-import contextvars
 import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import custom_batching
-
-
-def matmul(x, w, num_contract: int = 1, compute_dtype: Any = jnp.bfloat16):
-  """``x [..., *K] @ w [*K, *N] -> [..., *N]`` (float32) with ``compute_dtype`` inputs.
-
-  Inside :func:`fold_vmapped_rows`, a ``vmap`` over ``x`` alone folds the mapped axis into the
-  rows of one matmul (see there)."""
-  if _fold_rows.get():
-    return _rows_folded(num_contract, jnp.dtype(compute_dtype))(x, w)
-  return _mixed(x, w, num_contract, compute_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _mixed(x, w, num_contract: int = 1, compute_dtype: Any = jnp.bfloat16):
+def matmul(x, w, num_contract: int = 1, compute_dtype: Any = jnp.bfloat16):
+  """``x [..., *K] @ w [*K, *N] -> [..., *N]`` (float32) with ``compute_dtype`` inputs."""
   out, _ = _matmul_fwd(x, w, num_contract, compute_dtype)
   return out
 
@@ -73,52 +59,7 @@ def _matmul_bwd(num_contract, compute_dtype, residuals, g):
   return dx, dw
 
 
-_mixed.defvjp(_matmul_fwd, _matmul_bwd)
-
-_fold_rows = contextvars.ContextVar('fold_vmapped_rows', default=False)
-
-
-@contextlib.contextmanager
-def fold_vmapped_rows():
-  """While tracing inside this block, a :func:`matmul` that ``vmap`` maps over ``x`` but not
-  over ``w`` runs as one matmul whose rows are all the mapped examples' rows.
-
-  Why: ``jax.grad`` of a vmapped loss (the head's train step maps its loss over sequences) would
-  otherwise batch :func:`matmul`'s custom VJP example by example, yielding one weight gradient
-  per example that XLA then sums; on XLA CPU (jaxlib 0.10) that sum over the leading axis is
-  pathologically slow (117 ms for ``[8, 576, 1536]``, against 1.3 ms for 8 adds). Folded, the
-  weight gradient is one matmul over every example's rows and nothing is summed. The values are
-  the same; the gradients differ only by float32 summation order.
-
-  Only for ``grad`` *of* a ``vmap``: the folding is a ``jax.custom_batching.custom_vmap`` rule,
-  which JAX cannot reverse-differentiate outside ``vmap``, so ``grad`` of a matmul traced in here
-  without a ``vmap`` around it fails.
-  """
-  token = _fold_rows.set(True)
-  try:
-    yield
-  finally:
-    _fold_rows.reset(token)
-
-
-@functools.cache
-def _rows_folded(num_contract: int, compute_dtype):
-  @custom_batching.custom_vmap
-  def folded(x, w):
-    return _mixed(x, w, num_contract, compute_dtype)
-
-  @folded.def_vmap
-  def rule(axis_size, in_batched, x, w):
-    del axis_size
-    x_batched, w_batched = in_batched
-    if w_batched:  # per-example weights: nothing to fold
-      per_example = lambda a, b: _mixed(a, b, num_contract, compute_dtype)
-      return jax.vmap(per_example, in_axes=(0 if x_batched else None, 0))(x, w), True
-    # The mapped axis (leading) is one more axis of rows. (Under nested vmaps this folds the
-    # innermost one; outer ones batch the result as usual.)
-    return _mixed(x, w, num_contract, compute_dtype), True
-
-  return folded
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def dot_general(compute_dtype: Any = jnp.bfloat16):

@@ -418,12 +418,9 @@ def batch_sums(
     )
 
   labels = batch.get('labels', batch['tokens'])
-  # Mixed-precision weight gradients as one matmul over every sequence's rows, not one per
-  # sequence summed afterwards (slow on XLA CPU: models/matmul.py, fold_vmapped_rows).
-  with matmul.fold_vmapped_rows():
-    sums = jax.vmap(one)(
-      batch['tokens'], batch['loss_mask'], batch['lengths'], hidden, features, keys, labels
-    )
+  sums = jax.vmap(one)(
+    batch['tokens'], batch['loss_mask'], batch['lengths'], hidden, features, keys, labels
+  )
   return jax.tree.map(lambda x: jnp.sum(x, axis=0), sums)
 
 
