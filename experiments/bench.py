@@ -110,6 +110,14 @@ def head_settings(
   return out
 
 
+def _decode(target, heads, setting: Setting, prompt, seed, *, shapes, **options):
+  """One ``js.generate`` of ``prompt`` with ``setting`` (its head looked up in ``heads``)."""
+  head = heads[setting.head] if setting.head else None
+  return js.generate(
+    target, head, prompt, seed=seed, method=setting.method, **options, **(shapes or {})
+  )
+
+
 def measure(
   target,
   heads: dict,
@@ -123,19 +131,10 @@ def measure(
   warmup: bool = True,
 ) -> list:
   """``js.generate`` outputs for every prompt (seed = prompt index), after a compile warm-up."""
-
-  def decode(prompt, seed):
-    return js.generate(
-      target,
-      heads[setting.head] if setting.head else None,
-      prompt,
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      seed=seed,
-      eos_id=eos_id,
-      method=setting.method,
-      **(shapes or {}),
-    )
+  options = dict(
+    max_new_tokens=max_new_tokens, temperature=temperature, shapes=shapes, eos_id=eos_id
+  )
+  decode = lambda prompt, seed: _decode(target, heads, setting, prompt, seed, **options)
 
   if warmup:
     decode(prompts[0], 0)
@@ -167,18 +166,10 @@ def measure_interleaved(
   if len(set(names)) != len(names):
     raise ValueError(f'settings must have distinct names, got {names}')
 
-  def decode(setting, prompt, seed):
-    return js.generate(
-      target,
-      heads[setting.head] if setting.head else None,
-      prompt,
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      seed=seed,
-      eos_id=eos_id,
-      method=setting.method,
-      **(shapes or {}),
-    )
+  options = dict(
+    max_new_tokens=max_new_tokens, temperature=temperature, shapes=shapes, eos_id=eos_id
+  )
+  decode = lambda setting, prompt, seed: _decode(target, heads, setting, prompt, seed, **options)
 
   for setting in settings:  # compile warm-ups
     decode(setting, prompts[0], 0)
