@@ -12,11 +12,13 @@ the same function: per-depth accuracy, expected chain tau and loss, at the same 
 them): decoding ``N`` new tokens sees that part of an answer. Every row also has its walk tau:
 the chain tau over the anchors greedy decoding visits (``training/walk.py``), where the expected
 chain tau weights every anchor alike (not for DSpark heads).
-``--decode_tokens=N`` also decodes the same sequences' prompts with each head
-(``--decode_method``, greedy) for ``N`` tokens and reports the measured tau beside the
-teacher-forced numbers, with how many outputs equal the stored greedy responses.
+``--decode_tokens=N`` also decodes the same sequences' prompts with each head for ``N`` tokens
+(greedy; ``--decode_method``, repeatable: ``chain``, ``tree:budget=16``, ...) and reports the
+measured tau beside the teacher-forced numbers, with how many outputs equal the stored greedy
+responses.
 """
 
+import ast
 import dataclasses
 import json
 import pathlib
@@ -42,6 +44,22 @@ def parse_heads(spec: str) -> dict[str, str]:
       raise ValueError(f'--heads takes name=directory pairs, got {item!r}')
     heads[name] = path
   return heads
+
+
+def parse_method(spec: str) -> methods.Method:
+  """``'tree:budget=16,copy_len=4'`` -> ``Tree(budget=16, copy_len=4)``; a bare name takes the
+  method's defaults. Values are Python literals (``16``, ``0.3``, ``False``)."""
+  name, _, settings = spec.partition(':')
+  fields = {}
+  for item in filter(None, settings.split(',')):
+    key, sep, value = item.partition('=')
+    if not sep or not key:
+      raise ValueError(f'method settings are key=value pairs, got {item!r} in {spec!r}')
+    try:
+      fields[key.strip()] = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError) as e:
+      raise ValueError(f'{key}={value!r} in {spec!r} is not a number or a boolean') from e
+  return methods.from_config({'name': name.strip(), **fields})
 
 
 def evaluate_heads(
@@ -169,8 +187,10 @@ def main(argv):
   table = markdown(rows)
   decoded = []
   if FLAGS.decode_tokens:
-    method = methods.from_config(FLAGS.decode_method)
-    decoded = decode_heads(target, heads, batch, max_new_tokens=FLAGS.decode_tokens, method=method)
+    for spec in FLAGS.decode_method:
+      decoded += decode_heads(
+        target, heads, batch, max_new_tokens=FLAGS.decode_tokens, method=parse_method(spec)
+      )
     table += '\n| decoded (greedy) | method | new tokens | tau | rounds | outputs = stored |\n'
     table += '|---|---|---|---|---|---|\n'
     for r in decoded:
@@ -205,6 +225,11 @@ if __name__ == '__main__':
   flags.DEFINE_string('heads', '', 'name=export_dir pairs, comma-separated.')
   flags.DEFINE_list('first_tokens', ['0'], 'Score the first N response tokens (0: all).')
   flags.DEFINE_integer('decode_tokens', 0, 'Also decode the held-out prompts for N tokens.')
-  flags.DEFINE_string('decode_method', 'chain', 'The method --decode_tokens decodes with.')
+  flags.DEFINE_multi_string(
+    'decode_method',
+    ['chain'],
+    'The methods --decode_tokens decodes with (repeatable): a name, or name:key=value,... '
+    '(e.g. tree:budget=16,copy_len=4).',
+  )
   flags.DEFINE_string('out', '', 'A JSON file for the rows (and a .md beside it).')
   app.run(main)

@@ -502,6 +502,17 @@ def test_eval_heads_flags_and_methods():
   assert isinstance(dspark, js.methods.DSpark) and dspark.threshold == 0.0
   with pytest.raises(ValueError, match='no copy candidates'):
     eval_heads.methods_for(kind('dspark'), chain)
+  assert eval_heads.parse_method('chain') == js.methods.Chain()
+  assert eval_heads.parse_method('tree:budget=16, copy_len=4') == js.methods.Tree(
+    budget=16, copy_len=4
+  )
+  assert eval_heads.parse_method('dspark:threshold=0.3').threshold == 0.3
+  with pytest.raises(ValueError, match='key=value'):
+    eval_heads.parse_method('tree:16')
+  with pytest.raises(ValueError, match='not a number'):
+    eval_heads.parse_method('tree:budget=sixteen')
+  with pytest.raises(ValueError, match='no setting'):
+    eval_heads.parse_method('tree:depth=3')
 
 
 def test_train_draft_binary_end_to_end(tmp_path):
