@@ -14,6 +14,7 @@ only) and :func:`math_word_problems` with the disjoint :data:`EVAL_MATH_TEMPLATE
 """
 
 import ast
+import functools
 import pathlib
 
 import numpy as np
@@ -53,10 +54,11 @@ _CODE_PHRASES = (
 )
 
 
-def coding_tasks(files, *, limit: int, seed: int) -> list[str]:
-  """Requests to write documented standard-library functions (signature + docstring summary)."""
-  tasks = []
-  for _, source in prompts_lib.function_prompts(files):
+@functools.cache
+def documented_functions(files: tuple[pathlib.Path, ...]) -> tuple[tuple[str, str], ...]:
+  """``(signature, docstring summary)`` of the public documented functions in ``files``."""
+  functions = []
+  for _, source in prompts_lib.function_prompts(list(files)):
     try:
       node = ast.parse(source).body[0]  # a body of just the docstring is valid
     except SyntaxError:
@@ -70,9 +72,17 @@ def coding_tasks(files, *, limit: int, seed: int) -> list[str]:
     args = ast.unparse(node.args)
     if args.startswith('self'):
       args = args[4:].lstrip(', ')
-    tasks.append((f'{node.name}({args})', summary))
+    functions.append((f'{node.name}({args})', summary))
+  return tuple(functions)
+
+
+def coding_tasks(files, *, limit: int, seed: int, skip: int = 0) -> list[str]:
+  """Requests to write documented standard-library functions (signature + docstring summary):
+  ``limit`` functions of a fixed shuffle (``seed``) after its first ``skip``, so successive
+  prompt rounds (``skip = round * limit``) never ask for the same function twice."""
+  tasks = documented_functions(tuple(files))
   rng = np.random.default_rng(seed)
-  order = rng.permutation(len(tasks))[:limit]
+  order = rng.permutation(len(tasks))[skip : skip + limit]
   return [
     _CODE_PHRASES[rng.integers(len(_CODE_PHRASES))].format(sig=tasks[i][0], doc=tasks[i][1])
     for i in order

@@ -77,6 +77,11 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       instruction_top_p=1.0,
       num_coding=2000,
       num_math=1200,
+      # Prompt rounds generated and trained on: round 0 is the plan above (5,063 prompts, about
+      # 1.0M response tokens); round r >= 1 is a fresh plan of the same sizes (its own seed,
+      # instructions, the next slice of coding tasks, new math problems; no repeated text) in
+      # data/round{r}/ (chat_data.generate_chat_dataset). 2: about 2M response tokens.
+      prompt_rounds=1,
       validation_modules=corpus.VALIDATION_MODULES,
       max_prompt_len=160,
       max_new_tokens=320,

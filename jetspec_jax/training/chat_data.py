@@ -61,6 +61,11 @@ def self_written_instructions(
     seed=seed + 1,
     eos=tokenizer.eos_ids,
   )
+  return instructions_from_shards(paths, tokenizer)
+
+
+def instructions_from_shards(paths, tokenizer) -> list[str]:
+  """The finished, cleaned, de-duplicated instructions of stage-1 shards, in shard order."""
   eos = np.asarray(sorted(tokenizer.eos_ids))
   seen, out = set(), []
   for path in paths:
@@ -76,33 +81,75 @@ def self_written_instructions(
   return out
 
 
-def training_prompts(tokenizer, instructions: list[str], data_config, *, seed: int):
-  """All training prompts as chat-formatted ids, shuffled so every source is spread evenly."""
+# Round r >= 1 of the prompt plan draws with this seed offset (round 0 is the plan as it was).
+ROUND_SEED_STRIDE = 1000
+
+
+def round_dirs(workdir, data_dir, prompt_round: int) -> tuple[pathlib.Path, pathlib.Path]:
+  """Where a prompt round's instructions and responses go: round 0 in ``instructions/`` and
+  ``data/{greedy,sampled}``, round r in ``instructions_round{r}/`` and
+  ``data/round{r}/{greedy,sampled}`` (training reads the rounds below ``data.prompt_rounds``)."""
+  workdir, data_dir = pathlib.Path(workdir), pathlib.Path(data_dir)
+  if prompt_round == 0:
+    return workdir / 'instructions', data_dir
+  return workdir / f'instructions_round{prompt_round}', data_dir / f'round{prompt_round}'
+
+
+def training_texts(
+  instructions: list[str], data_config, *, seed: int, prompt_round: int = 0, exclude=frozenset()
+) -> list[str]:
+  """One prompt round's instructions, shuffled so every source is spread evenly: the
+  self-written ``instructions``, ``num_coding`` standard-library coding tasks (round r takes the
+  r-th slice of one fixed shuffle, so rounds share none) and ``num_math`` math word problems.
+  ``seed`` is the plan's (``config.seed``); round r draws with ``seed + r * ROUND_SEED_STRIDE``.
+  Texts in ``exclude`` (lower-cased: earlier rounds' texts) are dropped; round 0 excludes none,
+  so its prompts do not depend on how many rounds follow."""
   files = corpus.stdlib_files(tuple(data_config.validation_modules))[0]
+  n = data_config.num_coding
+  round_seed = seed + ROUND_SEED_STRIDE * prompt_round
   texts = (
     list(instructions)
-    + chat_prompts.coding_tasks(files, limit=data_config.num_coding, seed=seed)
-    + chat_prompts.math_word_problems(data_config.num_math, seed=seed)
+    + chat_prompts.coding_tasks(files, limit=n, seed=seed, skip=n * prompt_round)
+    + chat_prompts.math_word_problems(data_config.num_math, seed=round_seed)
   )
-  order = np.random.default_rng(seed).permutation(len(texts))
-  prompts = [chat_prompts.chat_prompt(tokenizer, texts[i]) for i in order]
-  return [p for p in prompts if len(p) <= data_config.max_prompt_len]
+  texts = [t for t in texts if t.lower() not in exclude]
+  order = np.random.default_rng(round_seed).permutation(len(texts))
+  return [texts[i] for i in order]
+
+
+def chat_token_prompts(tokenizer, texts: list[str], max_prompt_len: int) -> list[list[int]]:
+  """``texts`` as chat-formatted ids, keeping those of at most ``max_prompt_len`` tokens."""
+  prompts = [chat_prompts.chat_prompt(tokenizer, text) for text in texts]
+  return [p for p in prompts if len(p) <= max_prompt_len]
 
 
 def generate_chat_dataset(
   config, target: decoder.Target, tokenizer, workdir
 ) -> tuple[pathlib.Path, dict]:
-  """Both stages; returns the data directory and counts."""
+  """Both stages for each of ``data.prompt_rounds`` prompt rounds (1 when unset), one round
+  after the other; returns the data directory and counts. A later round is a fresh prompt plan
+  (its own seed, instructions, coding-task slice and math problems, no text of an earlier
+  round), so the data grows past one plan without reordering the prompts of finished shards."""
   workdir = pathlib.Path(workdir)
   data_config = config.data
-  instructions = self_written_instructions(
-    target, tokenizer, workdir / 'instructions', data_config, seed=config.seed
-  )
-  logging.info('%d usable self-written instructions', len(instructions))
-  prompts = training_prompts(tokenizer, instructions, data_config, seed=config.seed)
   data_dir = pathlib.Path(data_config.dir or workdir / 'data')
-  kinds = data_lib.generate_greedy_and_sampled(
-    target, prompts, data_dir, data_config, seed=config.seed, eos=tokenizer.eos_ids
-  )
-  counts = dict(instructions=len(instructions), prompts=len(prompts), **kinds)
+  counts, seen = {}, set()
+  for prompt_round in range(data_config.get('prompt_rounds', 1)):
+    round_seed = config.seed + ROUND_SEED_STRIDE * prompt_round
+    instructions_dir, round_data_dir = round_dirs(workdir, data_dir, prompt_round)
+    instructions = self_written_instructions(
+      target, tokenizer, instructions_dir, data_config, seed=round_seed
+    )
+    logging.info('round %d: %d usable self-written instructions', prompt_round, len(instructions))
+    texts = training_texts(
+      instructions, data_config, seed=config.seed, prompt_round=prompt_round, exclude=seen
+    )
+    seen.update(t.lower() for t in texts)
+    prompts = chat_token_prompts(tokenizer, texts, data_config.max_prompt_len)
+    kinds = data_lib.generate_greedy_and_sampled(
+      target, prompts, round_data_dir, data_config, seed=round_seed, eos=tokenizer.eos_ids
+    )
+    suffix = f'_round{prompt_round}' if prompt_round else ''
+    counts.update({f'instructions{suffix}': len(instructions), f'prompts{suffix}': len(prompts)})
+    counts.update({k + suffix: v for k, v in kinds.items()})
   return data_dir, counts

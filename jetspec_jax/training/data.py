@@ -25,6 +25,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -45,8 +46,10 @@ SHARD_PATTERN = 'shard_{:05d}.npz'
 FEATURE_TAPS_FILE = 'feature_taps.json'  # in a features directory: the taps its features hold
 
 
-def shard_paths(data_dir: str | os.PathLike) -> list[epath.Path]:
-  """Finished shards under ``data_dir`` (subdirectories too), sorted."""
+def shard_paths(data_dir: str | os.PathLike, prompt_rounds: int | None = None) -> list[epath.Path]:
+  """Finished shards under ``data_dir`` (subdirectories too), sorted. ``prompt_rounds``: only
+  those of the first that many prompt rounds (round r >= 1 lives in ``data_dir/round{r}/``,
+  :func:`jetspec_jax.training.chat_data.round_dirs`); None: every shard."""
   root = epath.Path(data_dir)
   if not root.is_dir():
     return []
@@ -56,7 +59,16 @@ def shard_paths(data_dir: str | os.PathLike) -> list[epath.Path]:
     for name in names
     if fnmatch.fnmatch(name, 'shard_*.npz') and not name.endswith('.tmp.npz')
   ]
+  if prompt_rounds is not None:
+    paths = [p for p in paths if prompt_round_of(p, root) < prompt_rounds]
   return sorted(paths)
+
+
+def prompt_round_of(path, data_dir) -> int:
+  """The prompt round a shard belongs to: r for shards under ``data_dir/round{r}/``, else 0."""
+  top = epath.Path(path).relative_to(epath.Path(data_dir)).parts[0]
+  match = re.fullmatch(r'round(\d+)', top)
+  return int(match.group(1)) if match else 0
 
 
 # Conversations as users have them: the chat format (``{"messages": [{"role", "content"}]}``)
@@ -453,9 +465,11 @@ def compute_features(
   batch_size: int = 8,
   progress: bool = True,
   shards_per_dir: int | None = None,
+  prompt_rounds: int | None = None,
 ) -> int:
   """Recomputes the target features of every shard under ``data_dir`` (``shards_per_dir``: of
-  the first that many of each directory, the ones a run reads) that has none in
+  the first that many of each directory, the ones a run reads; ``prompt_rounds``: of the first
+  that many prompt rounds, :func:`shard_paths`) that has none in
   ``features_dir`` (a batched teacher-forced forward over prompt + response, the same rows that
   generation collects: taps, then the final-normed hidden state; the last token's row is zeros,
   as the target never reads it). Beside each shard's features go its labels
@@ -488,7 +502,8 @@ def compute_features(
   def done(p):
     return all(features_path(p, data_dir, features_dir, k).exists() for k in ('features', 'labels'))
 
-  todo = [p for p in select_shards(shard_paths(data_dir), shards_per_dir) if not done(p)]
+  paths = select_shards(shard_paths(data_dir, prompt_rounds), shards_per_dir)
+  todo = [p for p in paths if not done(p)]
   for path in tqdm(todo, desc='features', unit='shard', disable=not progress):
     shard = load_shard(path)
     tokens, lengths = shard['tokens'].astype(np.int32), shard['lengths']
@@ -590,6 +605,7 @@ class TokenShards:
     features_dir: str | os.PathLike | None = None,
     target_labels: bool = False,
     subdir: str | None = None,
+    prompt_rounds: int | None = None,
   ):
     """``shards_per_dir`` keeps only the first that many shards of each directory (a fixed
     prefix of data that is still being generated) after skipping its first ``skip_per_dir``
@@ -597,9 +613,10 @@ class TokenShards:
     ``target_labels``: items carry ``labels [max_len]``, the target's greedy next token at every
     position (``labels[p]`` = argmax of the target at ``p - 1``; :func:`compute_features`).
     ``subdir``: only the shards under ``data_dir/subdir`` (features still found relative to
-    ``data_dir``)."""
+    ``data_dir``). ``prompt_rounds``: only the shards of the first that many prompt rounds
+    (:func:`shard_paths`)."""
     paths = select_shards(
-      shard_paths(epath.Path(data_dir) / subdir if subdir else data_dir),
+      shard_paths(epath.Path(data_dir) / subdir if subdir else data_dir, prompt_rounds),
       shards_per_dir,
       skip_per_dir,
     )

@@ -858,6 +858,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   target_labels = config.train.get('labels', 'data') == 'target_argmax'
   heldout_shards = config.eval.get('heldout_shards', 0)
   shards_per_dir = config.data.get('shards_per_dir') or None
+  prompt_rounds = config.data.get('prompt_rounds')  # chat data: the plan's rounds it reads
   if features_dir and config.data.get('feature_taps'):  # a cache: rebuilt from the tokens
     data_lib.compute_features(
       target,
@@ -867,6 +868,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
       batch_size=config.data.get('feature_batch', 8),
       # only the shards this run reads: the held-out ones, then the training ones
       shards_per_dir=None if shards_per_dir is None else heldout_shards + shards_per_dir,
+      prompt_rounds=prompt_rounds,
     )
   source = data_lib.TokenShards(
     data_dir,
@@ -875,6 +877,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     skip_per_dir=heldout_shards,
     features_dir=features_dir,
     target_labels=target_labels,
+    prompt_rounds=prompt_rounds,
   )
   if source.feature_taps is not None and source.feature_taps != tuple(head_cfg.target_layer_ids):
     raise ValueError(

@@ -1,0 +1,105 @@
+"""The SmolLM2 prompt plan: round 0 reproduces the committed shards' prompts; later rounds
+(``data.prompt_rounds``) add prompts that repeat no earlier text or coding task."""
+
+import pathlib
+
+import ml_collections
+import numpy as np
+import pytest
+
+from experiments.configs import draft_smollm2
+from jetspec_jax import chat_prompts, corpus
+from jetspec_jax.training import chat_data
+from jetspec_jax.training import data as data_lib
+
+DATA = pathlib.Path(__file__).resolve().parents[1] / 'data' / 'smollm2_135m'
+
+
+@pytest.fixture(scope='module')
+def config():
+  return draft_smollm2.get_config()
+
+
+def first_prompts(tokenizer, texts, max_len, every, kind, count):
+  """The first ``count`` prompts of one kind, tokenizing no more texts than needed."""
+  out, kept = [], 0
+  for text in texts:
+    ids = chat_prompts.chat_prompt(tokenizer, text)
+    if len(ids) > max_len:
+      continue
+    if (kept % every != 0) == (kind == 'greedy'):
+      out.append(ids)
+      if len(out) == count:
+        return out
+    kept += 1
+  return out
+
+
+def test_round0_reproduces_the_committed_shards(config):
+  tokenizer = chat_data.tokenizer_for(config.target)
+  instructions = chat_data.instructions_from_shards(
+    sorted((DATA / 'instructions').glob('shard_*.npz')), tokenizer
+  )
+  texts = chat_data.training_texts(instructions, config.data, seed=config.seed)
+  for kind in ('greedy', 'sampled'):
+    shard = np.load(DATA / 'data' / kind / 'shard_00000.npz')
+    stored = [
+      list(tokens[: int(np.argmax(mask > 0))])
+      for tokens, mask in zip(shard['tokens'], shard['loss_mask'])
+    ]
+    made = first_prompts(
+      tokenizer, texts, config.data.max_prompt_len, config.data.sampled_every, kind, len(stored)
+    )
+    assert [list(p) for p in made] == stored, kind
+
+
+def test_later_rounds_repeat_no_text_or_coding_task():
+  data = ml_collections.ConfigDict(
+    dict(num_coding=40, num_math=60, validation_modules=corpus.VALIDATION_MODULES)
+  )
+  instructions = [['Name a color.', 'Write a haiku.'], ['write a haiku.', 'Name a fruit.']]
+  round0 = chat_data.training_texts(instructions[0], data, seed=0)
+  assert chat_data.training_texts(instructions[0], data, seed=0, exclude={'x'}) == round0
+  round1 = chat_data.training_texts(
+    instructions[1], data, seed=0, prompt_round=1, exclude={t.lower() for t in round0}
+  )
+  assert round1 == chat_data.training_texts(
+    instructions[1], data, seed=0, prompt_round=1, exclude={t.lower() for t in round0}
+  )
+  assert not {t.lower() for t in round0} & {t.lower() for t in round1}
+  assert 'Name a fruit.' in round1 and 'write a haiku.' not in round1  # case-blind
+  assert len(round1) > 90  # new math problems and a fresh slice of coding tasks
+  # Round 1's coding tasks are the next slice of the same shuffle: other functions (every
+  # phrasing ends with the function's docstring summary).
+  files = corpus.stdlib_files(corpus.VALIDATION_MODULES)[0]
+  coding0 = chat_prompts.coding_tasks(files, limit=40, seed=0)
+  coding1 = chat_prompts.coding_tasks(files, limit=40, seed=0, skip=40)
+  assert set(coding0) <= set(round0) and set(coding1) <= set(round1)
+  assert not {t[-40:] for t in coding0} & {t[-40:] for t in coding1}
+
+
+def test_round_dirs():
+  assert chat_data.round_dirs('w', 'w/data', 0) == (
+    pathlib.Path('w/instructions'),
+    pathlib.Path('w/data'),
+  )
+  assert chat_data.round_dirs('w', 'w/data', 2) == (
+    pathlib.Path('w/instructions_round2'),
+    pathlib.Path('w/data/round2'),
+  )
+
+
+def test_shard_paths_keep_the_first_prompt_rounds(tmp_path):
+  for rel in ('greedy', 'sampled', 'round1/greedy', 'round2/sampled', 'roundabout'):
+    (tmp_path / rel).mkdir(parents=True)
+    (tmp_path / rel / 'shard_00000.npz').touch()
+  names = lambda paths: [str(p.relative_to(tmp_path).parent) for p in paths]
+  everything = ['greedy', 'round1/greedy', 'round2/sampled', 'roundabout', 'sampled']
+  assert names(data_lib.shard_paths(tmp_path)) == everything
+  assert names(data_lib.shard_paths(tmp_path, 1)) == ['greedy', 'roundabout', 'sampled']
+  assert names(data_lib.shard_paths(tmp_path, 2)) == [
+    'greedy',
+    'round1/greedy',
+    'roundabout',
+    'sampled',
+  ]
