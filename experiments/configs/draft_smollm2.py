@@ -96,7 +96,8 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       feature_taps=(1, 8, 15, 22, 27),  # = head.target_layer_ids; the features training reads
       # Train on the first N shards of greedy/ and sampled/ after the held-out one (0: all).
       # 34: greedy 1-34 and sampled 1-19, 3,376 sequences, the shipped heads' data (greedy 35-36
-      # are held out for the DSpark calibration); 20: the 2,480 sequences of the equal-data runs.
+      # are held out for the DSpark calibration); 20: the 2,480 sequences of the equal-data runs;
+      # 10: 1,280 sequences, the smallest point of the scaling table (assets/README.md).
       shards_per_dir=34,
     )
   )
