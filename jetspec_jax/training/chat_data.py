@@ -90,9 +90,8 @@ def round_dirs(workdir, data_dir, prompt_round: int) -> tuple[pathlib.Path, path
   ``data/{greedy,sampled}``, round r in ``instructions_round{r}/`` and
   ``data/round{r}/{greedy,sampled}`` (training reads the rounds below ``data.prompt_rounds``)."""
   workdir, data_dir = pathlib.Path(workdir), pathlib.Path(data_dir)
-  if prompt_round == 0:
-    return workdir / 'instructions', data_dir
-  return workdir / f'instructions_round{prompt_round}', data_dir / f'round{prompt_round}'
+  suffix = f'_round{prompt_round}' if prompt_round else ''
+  return workdir / f'instructions{suffix}', data_lib.prompt_round_dir(data_dir, prompt_round)
 
 
 def training_texts(

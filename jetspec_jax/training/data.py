@@ -64,6 +64,12 @@ def shard_paths(data_dir: str | os.PathLike, prompt_rounds: int | None = None) -
   return sorted(paths)
 
 
+def prompt_round_dir(data_dir, prompt_round: int):
+  """Where a prompt round's shards go: ``data_dir`` itself for round 0, else
+  ``data_dir/round{r}`` (what :func:`prompt_round_of` reads back)."""
+  return data_dir if prompt_round == 0 else data_dir / f'round{prompt_round}'
+
+
 def prompt_round_of(path, data_dir) -> int:
   """The prompt round a shard belongs to: r for shards under ``data_dir/round{r}/``, else 0."""
   top = epath.Path(path).relative_to(epath.Path(data_dir)).parts[0]
