@@ -1,13 +1,22 @@
 """float32 vs bfloat16-input / float32-accumulate matmuls on this machine: bare matmuls at the
-shapes head training and decoding use, and the SmolLM2-135M target's decode, verify and prefill.
+shapes head training and decoding use, and the SmolLM2-135M target's decode, verify and prefill
+in three precisions.
 
   python -m experiments.benchmark_precision --out=benchmarks/precision_cpu.json
 
+Target variants: ``float32``; ``bf16_compute`` (float32 weights, each projection casts its
+inputs to bfloat16 and accumulates in float32: ``Target.with_compute_dtype('bfloat16')``);
+``bf16_weights`` (the weight matrices stored in bfloat16, float32 activations and cache:
+``Target.with_weight_dtype('bfloat16')``). A step is the forward plus the full-vocabulary logits
+of every new token (a verify's argmax needs them all; the prefill, of its last token only).
+
 Whether bf16 pays depends on the CPU (AMX / AVX512-BF16 units) or accelerator: measure, then set
-``compute_dtype`` (``Target.with_compute_dtype``, ``train.compute_dtype``) accordingly. Each
-timing is the median of ``--repeats`` synchronised calls after a compile and a warm-up.
+``compute_dtype`` accordingly. Timings are interleaved: every round times each (variant, shape)
+once, in a rotated order, so a machine that speeds up or slows down during the run shifts all
+variants alike; min and median over ``--repeats`` rounds after a compile and a warm-up.
 """
 
+import functools
 import json
 import pathlib
 import time
@@ -21,8 +30,17 @@ from experiments import bench
 from jetspec_jax.models import gguf_io, hf_io, matmul
 
 MATMULS = ((1, 576, 1536), (16, 576, 1536), (1024, 576, 1536), (1024, 576, 49152))
-# (batch, new tokens, context): decode, verify 16 / 64 nodes, a batch-32 decode, a prefill.
-TARGET_SHAPES = ((1, 1, 512), (1, 16, 512), (1, 64, 512), (32, 1, 512), (8, 480, 480))
+# (batch, new tokens, context): decode, verify 2 / 16 / 32 / 64 nodes, a batch-32 decode, a
+# 512-token prefill.
+TARGET_SHAPES = (
+  (1, 1, 512),
+  (1, 2, 512),
+  (1, 16, 512),
+  (1, 32, 512),
+  (1, 64, 512),
+  (32, 1, 512),
+  (1, 512, 512),
+)
 
 
 def median_ms(fn, *args) -> float:
@@ -33,6 +51,22 @@ def median_ms(fn, *args) -> float:
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
   return 1e3 * float(np.median(times))
+
+
+def interleaved_ms(calls: dict, repeats: int) -> dict:
+  """``{name: (min_ms, median_ms)}`` of zero-argument ``calls``, each compiled and warmed up
+  first, then timed once per round in an order rotated every round."""
+  for fn in calls.values():
+    jax.block_until_ready(fn())
+  names = list(calls)
+  times = {name: [] for name in names}
+  for r in range(repeats):
+    shift = r % len(names)
+    for name in names[shift:] + names[:shift]:
+      start = time.perf_counter()
+      jax.block_until_ready(calls[name]())
+      times[name].append(1e3 * (time.perf_counter() - start))
+  return {name: (min(t), float(np.median(t))) for name, t in times.items()}
 
 
 def matmul_rates() -> list[dict]:
@@ -53,22 +87,36 @@ def matmul_rates() -> list[dict]:
   return rows
 
 
+def target_variants(target) -> dict:
+  return dict(
+    float32=target,
+    bf16_compute=target.with_compute_dtype('bfloat16'),
+    bf16_weights=target.with_weight_dtype('bfloat16'),
+  )
+
+
 def target_times() -> list[dict]:
-  target = hf_io.load_target(gguf_io.resolve_model_path('smollm2_135m_instruct'))
+  variants = target_variants(hf_io.load_target(gguf_io.resolve_model_path('smollm2_135m_instruct')))
 
-  @jax.jit
-  def step(tgt, tokens, cache):
-    return tgt.lm_logits(tgt.forward(tokens, cache).hidden[:, -1:])
+  @functools.partial(jax.jit, static_argnames='last_only')
+  def step(tgt, tokens, cache, last_only):
+    hidden = tgt.forward(tokens, cache).hidden
+    return tgt.lm_logits(hidden[:, -1:] if last_only else hidden)
 
-  rows = []
+  calls = {}
   for b, t, context in TARGET_SHAPES:
-    row = dict(batch=b, new_tokens=t, context=context)
-    for name, compute_dtype in (('float32_ms', None), ('bf16_in_f32_acc_ms', 'bfloat16')):
-      tgt = target.with_compute_dtype(compute_dtype)
+    for name, tgt in variants.items():
       cache = tgt.make_cache(b, max(context, t))
       start = 0 if t >= context else context - t - 1
       cache = cache.replace(lengths=jnp.full((b,), start, jnp.int32))
-      row[name] = median_ms(step, tgt, jnp.ones((b, t), jnp.int32), cache)
+      tokens = jnp.ones((b, t), jnp.int32)
+      calls[(b, t, context, name)] = functools.partial(step, tgt, tokens, cache, t > 64)
+  times = interleaved_ms(calls, flags.FLAGS.repeats)
+  rows = []
+  for b, t, context in TARGET_SHAPES:
+    row = dict(batch=b, new_tokens=t, context=context)
+    for name in variants:
+      row[f'{name}_min_ms'], row[f'{name}_median_ms'] = times[(b, t, context, name)]
     rows.append(row)
     print(json.dumps(row), flush=True)
   return rows
@@ -88,5 +136,5 @@ def main(argv):
 
 if __name__ == '__main__':
   flags.DEFINE_string('out', None, 'Write the results here as JSON.')
-  flags.DEFINE_integer('repeats', 5, 'Timed calls per measurement.')
+  flags.DEFINE_integer('repeats', 9, 'Timed calls per measurement (rounds, for the target).')
   app.run(main)

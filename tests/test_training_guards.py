@@ -232,6 +232,26 @@ def test_bf16_compute_target_is_close_to_float32(target):
     target.with_compute_dtype('not-a-dtype')
 
 
+def test_bf16_weight_target_keeps_float32_activations(target):
+  """``with_weight_dtype``: bfloat16 weight matrices, float32 norms, activations, cache and
+  features; close to the float32 target."""
+  narrow = target.with_weight_dtype('bfloat16')
+  assert narrow.params['embed_tokens']['embedding'].dtype == jnp.bfloat16
+  dtypes = {p.dtype for p in jax.tree.leaves(narrow.params) if p.ndim == 1}
+  assert dtypes == {jnp.dtype(jnp.float32)}
+  assert narrow.dtype == jnp.float32 and narrow.make_cache(1, 4).dtype == jnp.float32
+  ids = jnp.asarray(js.testing.random_ids(2, (1, 12), VOCAB))
+  assert narrow.embed(ids).dtype == jnp.float32
+  out = narrow.forward(ids, narrow.make_cache(1, 12), taps=(0,))
+  assert out.hidden.dtype == out.taps.dtype == jnp.float32
+  got, want = narrow.forward_logits(ids), target.forward_logits(ids)
+  assert got.dtype == jnp.float32
+  assert 0 < float(jnp.abs(got - want).max()) < 5e-2
+  assert target.with_weight_dtype('float32').compute_dtype is None
+  with pytest.raises(ValueError, match='compute_dtype must be a float dtype name'):
+    target.with_weight_dtype('int8')
+
+
 @pytest.fixture(scope='module')
 def shards(target, tmp_path_factory):
   path = tmp_path_factory.mktemp('shards')

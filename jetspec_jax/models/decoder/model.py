@@ -63,7 +63,7 @@ class Decoder(nn.Module):
         return x
       return jax.lax.with_sharding_constraint(x, self.activation_sharding)
 
-    x = pin(self.embed_tokens(tokens))
+    x = pin(self.embed(tokens))
     new_k, new_v, tapped = [], [], {}
     for i, layer in enumerate(self.layers):
       x, k, v = layer(x, positions, slots, mask, cache_k[i], cache_v[i])
@@ -76,7 +76,9 @@ class Decoder(nn.Module):
     return self.norm(x), tuple(new_k), tuple(new_v), features
 
   def embed(self, tokens):
-    return self.embed_tokens(tokens)
+    # Gather the rows, then cast them: nn.Embed would cast the whole [V, D] table to the
+    # activation dtype on every call (with bfloat16 weights and float32 activations).
+    return jnp.take(self.embed_tokens.embedding, tokens, axis=0).astype(self.dtype)
 
   def lm_logits(self, hidden):
     if self.cfg.tie_word_embeddings:
@@ -215,9 +217,10 @@ def lm_logits(
   return model.apply({'params': params}, hidden, method=Decoder.lm_logits)
 
 
-def embed(params: dict, tokens: Int[Array, '...'], *, cfg: DecoderConfig) -> Array:
-  """The target's token embedding (the draft head uses it for its block tokens)."""
-  dtype = params['embed_tokens']['embedding'].dtype
+def embed(params: dict, tokens: Int[Array, '...'], *, cfg: DecoderConfig, dtype=None) -> Array:
+  """The target's token embedding (the draft head uses it for its block tokens), in ``dtype``
+  (default: the embedding table's)."""
+  dtype = dtype or params['embed_tokens']['embedding'].dtype
   return Decoder(cfg, dtype).apply({'params': params}, tokens, method=Decoder.embed)
 
 
@@ -267,9 +270,15 @@ class Target:
   # 'bfloat16': matmuls with bfloat16 inputs and float32 accumulation (models/matmul.py) over
   # float32 (or bfloat16) weights; None: plain matmuls in the parameters' dtype.
   compute_dtype: str | None = flax.struct.field(pytree_node=False, default=None)
+  # The dtype of activations and the KV cache; None: the parameters' dtype. Differs from it
+  # only for weights stored narrower than the activations (:meth:`with_weight_dtype`).
+  activation_dtype: str | None = flax.struct.field(pytree_node=False, default=None)
 
   @property
   def dtype(self):
+    """The activation (and KV cache, tapped feature) dtype."""
+    if self.activation_dtype is not None:
+      return jnp.dtype(self.activation_dtype)
     return self.params['embed_tokens']['embedding'].dtype
 
   def with_attn_impl(self, attn_impl: str) -> 'Target':
@@ -284,6 +293,20 @@ class Target:
     """The same target with mixed-precision matmuls (``'bfloat16'``) or plain ones (None)."""
     matmul.resolve(compute_dtype)  # a bad name fails here
     return self.replace(compute_dtype=compute_dtype)
+
+  def with_weight_dtype(self, weight_dtype: str) -> 'Target':
+    """The same target with its weight matrices stored in ``weight_dtype`` (``'bfloat16'``:
+    half the bytes each step reads) and the projections taking ``weight_dtype`` inputs with
+    float32 accumulation; activations, the KV cache and the norm scales keep the current dtype.
+    Close to the float32 target, not equal (greedy near-ties can flip)."""
+    compute_dtype = matmul.resolve(weight_dtype)  # a bad name fails here; float32 -> None
+    dtype = jnp.dtype(weight_dtype)
+    params = jax.tree.map(lambda p: p.astype(dtype) if p.ndim >= 2 else p, self.params)
+    return self.replace(
+      params=params,
+      activation_dtype=jnp.dtype(self.dtype).name,
+      compute_dtype=None if compute_dtype is None else dtype.name,
+    )
 
   def forward(self, tokens, cache, **kwargs) -> ForwardOutput:
     return forward(
@@ -301,7 +324,7 @@ class Target:
     return lm_logits(self.params, hidden, cfg=self.cfg, compute_dtype=self.compute_dtype)
 
   def embed(self, tokens):
-    return embed(self.params, tokens, cfg=self.cfg)
+    return embed(self.params, tokens, cfg=self.cfg, dtype=self.dtype)
 
   def output_embedding(self) -> Float[Array, 'V D']:
     """The LM head as vocabulary rows ``[V, D]``: the tied embedding, or the head's kernel."""
