@@ -21,6 +21,11 @@ the share of accepted drafts that only the copy branch held), T=0 and T=1, batch
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:copy \
       --workdir=benchmarks/smollm2_135m_copy
 
+The shipped JetSpec head on whole responses (up to 256 new tokens instead of the first 48; T=0,
+chains and trees of 8 and 16 nodes, with and without copy candidates):
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:long \
+      --workdir=benchmarks/smollm2_135m_long
+
 A head trained with the new recipe (assets/README.md) against the shipped JetSpec head, T=0,
 budget 16, with and without copy candidates:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:recipe \
@@ -182,6 +187,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.copy_lens = (0, 4)
     config.temperatures = (0.0,)
     config.peers = ()
+  if arg == 'long':  # steady state: whole responses (up to 256 new tokens), not the first 48
+    config.heads = ml_collections.ConfigDict(dict(jetspec='assets/jetspec_head_smollm2_135m'))
+    config.num_per_group = 3
+    config.max_new_tokens = 256
+    config.budgets = (8, 16)
+    config.tree_algorithms = ('accum_logp',)
+    config.copy_lens = (0, 4)
+    config.temperatures = (0.0,)
+    config.peers = ()
+    config.round_cost_batches = (1,)  # ms per round and the head's share of it
+    config.round_cost_settings = ('chain/jetspec', 'tree/jetspec/accum_logp/16/copy4')
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
     config.budgets = (8, 16, 32)
     config.tree_algorithms = ('accum_logp',)
