@@ -140,7 +140,18 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
 
 @pytest.mark.parametrize(
   'arg',
-  [None, 'sweep', 'dspark', 'jetspecpp', 'copy', 'recipe', 'copy_seeded', 'equal_data', 'quick'],
+  [
+    None,
+    'sweep',
+    'dspark',
+    'jetspecpp',
+    'copy',
+    'recipe',
+    'copy_seeded',
+    'equal_data',
+    'long',
+    'quick',
+  ],
 )
 def test_smollm2_benchmark_configs_name_settings_they_run(arg):
   """Every batch and round-cost setting a SmolLM2 benchmark config names is one of its runs."""
