@@ -187,6 +187,64 @@ def accum_logp(
   return build_with_caps(topk_ids, topk_logprobs, budget, caps, anchor=anchor, min_children=width)
 
 
+def best_first(
+  topk_ids: Int[Array, 'depth W'],
+  topk_logprobs: Float[Array, 'depth W'],
+  budget: int,
+  *,
+  anchor: int | Array = 0,
+) -> Tree:
+  """Node by node: each step adds the one child, over all nodes, of highest cumulative log-prob.
+
+  A node's next child is its best unused candidate (the candidates are rank-sorted), so the
+  ``budget - 1`` draft nodes are the ``budget - 1`` most probable paths' last nodes: the tree of
+  largest expected accepted length when the depths' draft distributions are independent (a
+  child's score never exceeds its parent's, so those nodes form a tree). :func:`accum_logp` adds
+  all ``W`` children per expansion instead, which at a small budget spends it on width: 8 nodes
+  with ``W = 7`` are the root and its 7 children, accepting at most one draft.
+  """
+  if budget < 1:
+    raise ValueError(f'{budget=} must be >= 1 (the root counts)')
+  if topk_ids.ndim != 2 or topk_ids.shape != topk_logprobs.shape:
+    raise ValueError(
+      f'topk_ids {topk_ids.shape} and topk_logprobs {topk_logprobs.shape} must both be [D, W]'
+    )
+  max_depth, width = topk_ids.shape
+  topk_ids = jnp.asarray(topk_ids, jnp.int32)
+  logprobs = jnp.asarray(topk_logprobs, jnp.float32)
+  topk_ids, logprobs = jax.lax.optimization_barrier((topk_ids, logprobs))
+  tree = Tree(
+    tokens=jnp.zeros((budget,), jnp.int32).at[0].set(jnp.asarray(anchor, jnp.int32)),
+    parents=jnp.full((budget,), -1, jnp.int32),
+    depths=jnp.zeros((budget,), jnp.int32),
+    scores=jnp.full((budget,), -jnp.inf, jnp.float32).at[0].set(0.0),
+    num_nodes=jnp.int32(1),
+  )
+  children = jnp.zeros((budget,), jnp.int32)  # children added so far = next candidate's rank
+
+  def body(_, state):
+    tree, children = state
+    row, rank = jnp.minimum(tree.depths, max_depth - 1), jnp.minimum(children, width - 1)
+    open_ = tree.valid() & (tree.depths < max_depth) & (children < width)
+    # argmax returns the first maximum: equal scores break ties by creation order.
+    candidate = jnp.where(open_, tree.scores + logprobs[row, rank], -jnp.inf)
+    v = jnp.argmax(candidate)
+    add = open_[v]
+    dst = jnp.where(add, tree.num_nodes, budget)  # out of range: dropped
+    tree = tree.replace(
+      tokens=tree.tokens.at[dst].set(topk_ids[row[v], rank[v]], mode='drop'),
+      parents=tree.parents.at[dst].set(v.astype(jnp.int32), mode='drop'),
+      depths=tree.depths.at[dst].set(tree.depths[v] + 1, mode='drop'),
+      scores=tree.scores.at[dst].set(candidate[v], mode='drop'),
+      num_nodes=tree.num_nodes + add.astype(jnp.int32),
+    )
+    return tree, children.at[v].add(add.astype(jnp.int32))
+
+  steps = budget - 1
+  tree, _ = jax.lax.fori_loop(0, steps, body, (tree, children), unroll=steps <= 64)
+  return tree
+
+
 def top2gap_caps(
   topk_logprobs: Float[Array, 'depth W'], *, beta: float = 1.0, gap0: float = 1.0
 ) -> Int[Array, ' depth']:
@@ -274,7 +332,7 @@ def add_branch(
   return tree, added
 
 
-TREE_BUILDERS = {'accum_logp': accum_logp, 'top2gap': top2gap}
+TREE_BUILDERS = {'accum_logp': accum_logp, 'top2gap': top2gap, 'best_first': best_first}
 
 
 @functools.partial(jax.jit, static_argnames=('width',))

@@ -1,4 +1,5 @@
-"""Tree construction: exact reference semantics of accum_logp, caps, ancestor masks."""
+"""Tree construction: exact reference semantics of accum_logp and best_first, caps, ancestor
+masks."""
 
 import functools
 import heapq
@@ -157,6 +158,51 @@ def test_caps_builder_and_top2gap():
   assert_same(full, heap_reference(ids, lps, 30))
 
 
+def all_paths(ids, lps):
+  """Every path of per-depth ranks (depth 1..D, rank < W) with its cumulative score."""
+  d_max, w = ids.shape
+  return {
+    ranks: float(sum(lps[d, r] for d, r in enumerate(ranks)))
+    for depth in range(1, d_max + 1)
+    for ranks in itertools.product(range(w), repeat=depth)
+  }
+
+
+@pytest.mark.parametrize('seed', range(6))
+def test_best_first_holds_the_most_probable_paths(seed):
+  """best_first's draft nodes are the ``budget - 1`` highest-scoring paths of the full tree of
+  ``W**1 + ... + W**D`` paths (continuous scores: no ties), added in score order."""
+  rng = np.random.default_rng(400 + seed)
+  d, w = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+  budget = int(rng.integers(1, 1 + sum(w**k for k in range(1, d + 1)) + 3))
+  ids = rng.permutation(1000)[: d * w].reshape(d, w)  # distinct per depth
+  lps = -np.sort(rng.exponential(1.5, size=(d, w)), axis=1).astype(np.float32)
+  tree = jax.jit(tree_lib.best_first, static_argnames='budget')(ids, lps, budget, anchor=5)
+  nodes = as_lists(tree)
+  paths = all_paths(ids, lps)
+  want = sorted(paths, key=lambda r: -paths[r])[: budget - 1]
+  got, ranks = [], {0: ()}
+  for v, (token, parent, depth, score) in enumerate(nodes[1:], start=1):
+    assert 0 <= parent < v and depth == len(ranks[parent]) + 1
+    ranks[v] = ranks[parent] + (int(np.flatnonzero(ids[depth - 1] == token)[0]),)
+    np.testing.assert_allclose(score, paths[ranks[v]], rtol=1e-5, atol=1e-5)
+    got.append(ranks[v])
+  assert nodes[0] == (5, -1, 0, 0.0) and got == want
+  assert int(tree.num_nodes) == min(budget, 1 + len(paths))
+
+
+def test_best_first_spends_a_small_budget_on_depth():
+  """A confident top-1 per depth: 8 nodes make a chain of 7, where accum_logp (all W children
+  per expansion) makes the root and its 7 children."""
+  ids = np.arange(7 * 7).reshape(7, 7)
+  lps = np.log(np.tile([[0.9, 0.04, 0.02, 0.01, 0.01, 0.01, 0.01]], (7, 1))).astype(np.float32)
+  chain = tree_lib.best_first(ids, lps, 8)
+  assert np.asarray(chain.depths).tolist() == list(range(8))
+  assert np.asarray(build(ids, lps, budget=8).depths).tolist() == [0] + [1] * 7
+  wide = np.asarray(tree_lib.best_first(ids, lps, 16).depths)
+  assert wide.max() == 7 and (wide == 1).sum() > 1  # the budget past the chain buys siblings
+
+
 @pytest.mark.parametrize('kind', ['random', 'chain', 'star'])
 def test_ancestor_mask_matches_parent_walk(kind):
   tree = js.testing.random_tree(3, 23, kind=kind)
@@ -190,7 +236,7 @@ def test_static_trip_count_matches_reference_with_any_caps(seed):
   assert_same(tree, heap_reference(ids, lps, budget, caps=caps))
 
 
-@pytest.mark.parametrize('builder', ['accum_logp', 'top2gap'])
+@pytest.mark.parametrize('builder', ['accum_logp', 'top2gap', 'best_first'])
 def test_tree_build_has_no_data_dependent_loop(builder):
   """No ``while`` with a data-dependent predicate: a fixed trip count (scan or unrolled)."""
   ids, lps = np.zeros((15, 7), np.int32), np.zeros((15, 7), np.float32)

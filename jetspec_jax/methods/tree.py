@@ -2,7 +2,7 @@
 
 One round, for ``B`` sequences: the head drafts per-depth logits for the block after the anchor in
 one forward; a tree of ``budget`` nodes (root = the anchor) is built from them
-(:mod:`jetspec_jax.tree`: ``accum_logp`` or ``top2gap``), optionally with a copy branch
+(:mod:`jetspec_jax.tree`: ``accum_logp``, ``top2gap`` or ``best_first``), optionally with a copy branch
 (:mod:`jetspec_jax.prompt_lookup`); the target verifies the whole tree in one tree-masked forward;
 the longest path the target agrees with is committed with the target's bonus token
 (:mod:`jetspec_jax.verify`; docs/design.md §5). A chain is the tree of width 1.
@@ -44,7 +44,7 @@ def check_copy_fits(copy_len: int, head) -> None:
 @dataclasses.dataclass(frozen=True)
 class Tree(Method):
   """JetSpec: a draft tree of ``budget`` nodes (root included), ``width`` candidates per depth,
-  built by ``algorithm`` (``'accum_logp'`` or ``'top2gap'``,
+  built by ``algorithm`` (``'accum_logp'``, ``'top2gap'`` or ``'best_first'``,
   :data:`jetspec_jax.tree.TREE_BUILDERS`).
 
   ``copy_len > 0`` adds copy candidates (:mod:`jetspec_jax.prompt_lookup`): up to ``copy_len``
