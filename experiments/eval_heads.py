@@ -29,6 +29,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jetspec_jax import decoding, methods, sharding
+from jetspec_jax.methods import base as methods_base
 from jetspec_jax.models import hf_io
 from jetspec_jax.training import copy_baseline, head_trainer, walk
 
@@ -48,18 +49,26 @@ def parse_heads(spec: str) -> dict[str, str]:
 
 def parse_method(spec: str) -> methods.Method:
   """``'tree:budget=16,copy_len=4'`` -> ``Tree(budget=16, copy_len=4)``; a bare name takes the
-  method's defaults. Values are Python literals (``16``, ``0.3``, ``False``)."""
+  method's defaults. Values are Python literals (``16``, ``0.3``, ``False``) or bare words
+  (``algorithm=best_first``)."""
   name, _, settings = spec.partition(':')
+  name = name.strip()
+  cls = methods_base.REGISTRY.get(name)
+  # The settings whose value is text (e.g. Tree.algorithm) take a bare word.
+  text_defaults = {f.name: f.default for f in dataclasses.fields(cls)} if cls else {}
   fields = {}
   for item in filter(None, settings.split(',')):
     key, sep, value = item.partition('=')
     if not sep or not key:
       raise ValueError(f'method settings are key=value pairs, got {item!r} in {spec!r}')
+    key, value = key.strip(), value.strip()
     try:
-      fields[key.strip()] = ast.literal_eval(value.strip())
+      fields[key] = ast.literal_eval(value)
     except (ValueError, SyntaxError) as e:
-      raise ValueError(f'{key}={value!r} in {spec!r} is not a number or a boolean') from e
-  return methods.from_config({'name': name.strip(), **fields})
+      if not (value.isidentifier() and isinstance(text_defaults.get(key), str)):
+        raise ValueError(f'{key}={value!r} in {spec!r} is not a number or a boolean') from e
+      fields[key] = value
+  return methods.from_config({'name': name, **fields})
 
 
 def evaluate_heads(

@@ -511,6 +511,9 @@ def test_eval_heads_flags_and_methods():
     eval_heads.parse_method('tree:16')
   with pytest.raises(ValueError, match='not a number'):
     eval_heads.parse_method('tree:budget=sixteen')
+  assert eval_heads.parse_method('tree:budget=8,algorithm=best_first').algorithm == 'best_first'
+  with pytest.raises(ValueError, match='algorithm must be one of'):
+    eval_heads.parse_method('tree:algorithm=widest')
   with pytest.raises(ValueError, match='no setting'):
     eval_heads.parse_method('tree:depth=3')
 
