@@ -26,6 +26,11 @@ chains and trees of 8 and 16 nodes, with and without copy candidates):
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:long \
       --workdir=benchmarks/smollm2_135m_long
 
+The same with trees built node by node (`tree.best_first`: the most probable paths, where
+accum_logp adds all 7 candidates per expansion and so spends 8 nodes on the root's children):
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:best_first \
+      --workdir=benchmarks/smollm2_135m_best_first
+
 A head trained with the new recipe (assets/README.md) against the shipped JetSpec head, T=0,
 budget 16, with and without copy candidates:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:recipe \
@@ -187,7 +192,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.copy_lens = (0, 4)
     config.temperatures = (0.0,)
     config.peers = ()
-  if arg == 'long':  # steady state: whole responses (up to 256 new tokens), not the first 48
+  if arg in ('long', 'best_first'):  # steady state: whole responses (<= 256 new tokens), not 48
     config.heads = ml_collections.ConfigDict(dict(jetspec='assets/jetspec_head_smollm2_135m'))
     config.num_per_group = 3
     config.max_new_tokens = 256
@@ -198,6 +203,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.peers = ()
     config.round_cost_batches = (1,)  # ms per round and the head's share of it
     config.round_cost_settings = ('chain/jetspec', 'tree/jetspec/accum_logp/16/copy4')
+  if arg == 'best_first':  # the :long run with node-by-node trees (jetspec_jax.tree.best_first)
+    config.tree_algorithms = ('best_first',)
+    config.round_cost_settings = ('tree/jetspec/best_first/8', 'tree/jetspec/best_first/16/copy4')
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
     config.budgets = (8, 16, 32)
     config.tree_algorithms = ('accum_logp',)
