@@ -150,6 +150,7 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
     'copy_seeded',
     'equal_data',
     'long',
+    'best_first',
     'quick',
   ],
 )

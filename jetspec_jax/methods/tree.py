@@ -2,8 +2,9 @@
 
 One round, for ``B`` sequences: the head drafts per-depth logits for the block after the anchor in
 one forward; a tree of ``budget`` nodes (root = the anchor) is built from them
-(:mod:`jetspec_jax.tree`: ``accum_logp``, ``top2gap`` or ``best_first``), optionally with a copy branch
-(:mod:`jetspec_jax.prompt_lookup`); the target verifies the whole tree in one tree-masked forward;
+(:mod:`jetspec_jax.tree`: ``accum_logp``, ``top2gap`` or ``best_first``), optionally with a copy
+branch (:mod:`jetspec_jax.prompt_lookup`); the target verifies the whole tree in one tree-masked
+forward;
 the longest path the target agrees with is committed with the target's bonus token
 (:mod:`jetspec_jax.verify`; docs/design.md §5). A chain is the tree of width 1.
 """
