@@ -85,6 +85,27 @@ def max_expansions(budget: int, min_children: int) -> int:
   return -(-(budget - 1) // max(1, min_children))
 
 
+def check_candidates(topk_ids, topk_logprobs, budget: int) -> None:
+  """A tree builder's input errors: ``budget >= 1``, candidates ``[D, W]`` of equal shapes."""
+  if budget < 1:
+    raise ValueError(f'{budget=} must be >= 1 (the root counts)')
+  if topk_ids.ndim != 2 or topk_ids.shape != topk_logprobs.shape:
+    raise ValueError(
+      f'topk_ids {topk_ids.shape} and topk_logprobs {topk_logprobs.shape} must both be [D, W]'
+    )
+
+
+def root_tree(budget: int, anchor: int | Array) -> Tree:
+  """A tree of ``budget`` slots holding only the root (``anchor``, depth 0, score 0)."""
+  return Tree(
+    tokens=jnp.zeros((budget,), jnp.int32).at[0].set(jnp.asarray(anchor, jnp.int32)),
+    parents=jnp.full((budget,), -1, jnp.int32),
+    depths=jnp.zeros((budget,), jnp.int32),
+    scores=jnp.full((budget,), -jnp.inf, jnp.float32).at[0].set(0.0),
+    num_nodes=jnp.int32(1),
+  )
+
+
 def build_with_caps(
   topk_ids: Int[Array, 'depth W'],
   topk_logprobs: Float[Array, 'depth W'],
@@ -121,25 +142,14 @@ def build_with_caps(
   Returns:
     A :class:`Tree` of size ``budget``.
   """
-  if budget < 1:
-    raise ValueError(f'{budget=} must be >= 1 (the root counts)')
-  if topk_ids.ndim != 2 or topk_ids.shape != topk_logprobs.shape:
-    raise ValueError(
-      f'topk_ids {topk_ids.shape} and topk_logprobs {topk_logprobs.shape} must both be [D, W]'
-    )
+  check_candidates(topk_ids, topk_logprobs, budget)
   max_depth, width = topk_ids.shape
   topk_ids, caps = jnp.asarray(topk_ids, jnp.int32), jnp.asarray(caps, jnp.int32)
   # Materialise the candidates once: without the barrier XLA may fuse their producer (the
   # full-vocabulary log-softmax + top-k) into every unrolled step that reads them.
   topk_ids, topk_logprobs, caps = jax.lax.optimization_barrier((topk_ids, topk_logprobs, caps))
   idx = jnp.arange(budget)
-  tree = Tree(
-    tokens=jnp.zeros((budget,), jnp.int32).at[0].set(jnp.asarray(anchor, jnp.int32)),
-    parents=jnp.full((budget,), -1, jnp.int32),
-    depths=jnp.zeros((budget,), jnp.int32),
-    scores=jnp.full((budget,), -jnp.inf, jnp.float32).at[0].set(0.0),
-    num_nodes=jnp.int32(1),
-  )
+  tree = root_tree(budget, anchor)
   popped = jnp.zeros((budget,), bool)
   caps = jnp.clip(caps, 0, width)
   logprobs = jnp.asarray(topk_logprobs, jnp.float32)
@@ -203,23 +213,12 @@ def best_first(
   all ``W`` children per expansion instead, which at a small budget spends it on width: 8 nodes
   with ``W = 7`` are the root and its 7 children, accepting at most one draft.
   """
-  if budget < 1:
-    raise ValueError(f'{budget=} must be >= 1 (the root counts)')
-  if topk_ids.ndim != 2 or topk_ids.shape != topk_logprobs.shape:
-    raise ValueError(
-      f'topk_ids {topk_ids.shape} and topk_logprobs {topk_logprobs.shape} must both be [D, W]'
-    )
+  check_candidates(topk_ids, topk_logprobs, budget)
   max_depth, width = topk_ids.shape
   topk_ids = jnp.asarray(topk_ids, jnp.int32)
   logprobs = jnp.asarray(topk_logprobs, jnp.float32)
   topk_ids, logprobs = jax.lax.optimization_barrier((topk_ids, logprobs))
-  tree = Tree(
-    tokens=jnp.zeros((budget,), jnp.int32).at[0].set(jnp.asarray(anchor, jnp.int32)),
-    parents=jnp.full((budget,), -1, jnp.int32),
-    depths=jnp.zeros((budget,), jnp.int32),
-    scores=jnp.full((budget,), -jnp.inf, jnp.float32).at[0].set(0.0),
-    num_nodes=jnp.int32(1),
-  )
+  tree = root_tree(budget, anchor)
   children = jnp.zeros((budget,), jnp.int32)  # children added so far = next candidate's rank
 
   def body(_, state):
