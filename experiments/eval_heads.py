@@ -55,7 +55,7 @@ def parse_method(spec: str) -> methods.Method:
   name = name.strip()
   cls = methods_base.REGISTRY.get(name)
   # The settings whose value is text (e.g. Tree.algorithm) take a bare word.
-  text_defaults = {f.name: f.default for f in dataclasses.fields(cls)} if cls else {}
+  defaults = {f.name: f.default for f in dataclasses.fields(cls)} if cls else {}
   fields = {}
   for item in filter(None, settings.split(',')):
     key, sep, value = item.partition('=')
@@ -65,7 +65,7 @@ def parse_method(spec: str) -> methods.Method:
     try:
       fields[key] = ast.literal_eval(value)
     except (ValueError, SyntaxError) as e:
-      if not (value.isidentifier() and isinstance(text_defaults.get(key), str)):
+      if not (value.isidentifier() and isinstance(defaults.get(key), str)):
         raise ValueError(f'{key}={value!r} in {spec!r} is not a number or a boolean') from e
       fields[key] = value
   return methods.from_config({'name': name, **fields})
