@@ -9,6 +9,7 @@ method (after a compile warm-up), checks that the outputs are identical, prints 
 second / speedup and one completion, and writes a plot of tokens committed per round.
 """
 
+import functools
 import json
 import pathlib
 
@@ -53,26 +54,24 @@ def run(config, workdir: str = 'runs/demo') -> dict:
   shapes = js.decoding.shared_shapes(
     prompts, config.max_new_tokens, config.budget + head.cfg.block_size
   )
+  tree = functools.partial(js.methods.Tree, config.budget, config.width, config.algorithm)
   settings = {
     'ar': bench.Setting(),
     'chain': bench.Setting(js.methods.Chain(), 'jetspec'),
-    'tree': bench.Setting(js.methods.Tree(config.budget, config.width), 'jetspec'),
-    'tree+copy': bench.Setting(
-      js.methods.Tree(config.budget, config.width, copy_len=config.copy_len), 'jetspec'
-    ),
+    'tree': bench.Setting(tree(), 'jetspec'),
+    'tree+copy': bench.Setting(tree(copy_len=config.copy_len), 'jetspec'),
   }
-  outputs = {
-    name: bench.measure(
-      target,
-      {'jetspec': head},
-      s,
-      prompts,
-      max_new_tokens=config.max_new_tokens,
-      shapes=shapes,
-      eos_id=eos,
-    )
-    for name, s in settings.items()
-  }
+  # Prompt by prompt across the methods, so a drift of the machine's speed slows all alike.
+  by_name = bench.measure_interleaved(
+    target,
+    {'jetspec': head},
+    list(settings.values()),
+    prompts,
+    max_new_tokens=config.max_new_tokens,
+    shapes=shapes,
+    eos_id=eos,
+  )
+  outputs = {name: by_name[s.name] for name, s in settings.items()}
   for name in ('chain', 'tree', 'tree+copy'):
     bench.check_lossless(name, outputs[name], outputs['ar'])
   ar_wall = sum(o.stats.wall_s for o in outputs['ar'])
@@ -81,9 +80,9 @@ def run(config, workdir: str = 'runs/demo') -> dict:
   for name, r in results.items():
     print(f'{name:10s} {r["tau"]:6.2f} {r["tps"]:8.1f} {r["speedup"]:7.2f}x')
   print(
-    f'\ngreedy outputs of ar, chain, tree (budget {config.budget}) and tree+copy (the same '
-    f'budget, {config.copy_len} of it copy candidates) are identical on {len(prompts)} '
-    'held-out prompts'
+    f'\ngreedy outputs of ar, chain, tree ({config.budget} nodes, {config.algorithm}) and '
+    f'tree+copy (the same budget, {config.copy_len} of it copy candidates) are identical on '
+    f'{len(prompts)} held-out prompts'
   )
   shown = tok.decode(prompts[0].tolist()) + tok.decode(outputs['tree'][0].tokens.tolist())
   print(f'\nfirst prompt and its completion (tree):\n{shown}')

@@ -144,9 +144,12 @@ def exact_distribution(target, prompt, length, temperature, top_k, top_p):
   return probs  # indexed by the sequence in base-v
 
 
-@pytest.mark.parametrize('temperature, top_k, top_p', [(1.0, 0, 1.0), (0.8, 4, 0.9)])
-def test_sampled_tree_matches_target_distribution(temperature, top_k, top_p):
-  """At T > 0, sample-and-match gives exactly the target's distribution over sequences.
+@pytest.mark.parametrize(
+  'temperature, top_k, top_p, algorithm', [(1.0, 0, 1.0, 'accum_logp'), (0.8, 4, 0.9, 'best_first')]
+)
+def test_sampled_tree_matches_target_distribution(temperature, top_k, top_p, algorithm):
+  """At T > 0, sample-and-match gives exactly the target's distribution over sequences, for
+  trees of either shape (all candidates of a depth at once, or node by node).
 
   Chi-square over the first 3 generated tokens on a 5-token vocabulary (125 cells, cells with
   expected count < 5 pooled), 12k samples: the statistic must stay below dof + 6 sqrt(2 dof)
@@ -164,7 +167,7 @@ def test_sampled_tree_matches_target_distribution(temperature, top_k, top_p):
     capacity=capacity,
     max_new_tokens=3,
     sampling=sampling,
-    round_fn=js.methods.Tree(budget=12, width=3),
+    round_fn=js.methods.Tree(budget=12, width=3, algorithm=algorithm),
   )
   draw = jax.jit(jax.vmap(lambda k: loop(target, head, prompt, plen, k)[:2]))
   counts = np.zeros(125)

@@ -118,8 +118,8 @@ def test_qwen3_8b_recipe_config():
 
 
 def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
-  """The README's SmolLM2 benchmark: trees of 8 and 16 nodes with and without 4 copy candidates
-  at T=0, the heads alone at T=1, and batch settings it measures at T=0."""
+  """The README's SmolLM2 benchmark: best_first trees of 8 and 16 nodes with and without 4 copy
+  candidates at T=0, the heads alone at T=1, and batch settings it measures at T=0."""
   from experiments.configs import benchmark_smollm2
 
   config = benchmark_smollm2.get_config()
@@ -128,11 +128,11 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
   sampled = [s.name for s in benchmark.config_settings(config, kinds, temperature=1.0)]
   assert greedy[0] == sampled[0] == 'ar'
   assert {
-    'tree/jetspec/accum_logp/8/copy4',
+    'tree/jetspec/best_first/8/copy4',
     'chain/dflash/copy4',
-    'tree/dflash/accum_logp/16',
+    'tree/dflash/best_first/16',
   } < set(greedy)
-  assert not [n for n in sampled if 'copy' in n] and 'tree/jetspec/accum_logp/16' in sampled
+  assert not [n for n in sampled if 'copy' in n] and 'tree/jetspec/best_first/16' in sampled
   assert set(config.batch_settings) <= set(greedy)
   sweep = benchmark_smollm2.get_config('sweep')
   assert len(benchmark.config_settings(sweep, kinds, temperature=0.0)) == 1 + 2 * (1 + 5 * 2)
@@ -151,6 +151,7 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
     'equal_data',
     'long',
     'best_first',
+    'best_first_budgets',
     'quick',
   ],
 )

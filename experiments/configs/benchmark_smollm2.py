@@ -31,6 +31,11 @@ accum_logp adds all 7 candidates per expansion and so spends 8 nodes on the root
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:best_first \
       --workdir=benchmarks/smollm2_135m_best_first
 
+Budgets of 6-12 nodes for those trees, each with and without a 2-token copy branch:
+  python -m experiments.benchmark \
+      --config=experiments/configs/benchmark_smollm2.py:best_first_budgets \
+      --workdir=benchmarks/smollm2_135m_best_first_budgets
+
 A head trained with the new recipe (assets/README.md) against the shipped JetSpec head, T=0,
 budget 16, with and without copy candidates:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:recipe \
@@ -86,12 +91,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg is None:  # the shipped heads' settings that matter on a CPU
     config.num_per_group = 3
     config.budgets = (8, 16)
-    config.tree_algorithms = ('accum_logp',)
+    config.tree_algorithms = ('best_first',)  # node by node (:best_first: +0.2-0.5 tau)
+    config.sampled_tree_algorithms = ('best_first',)
     config.copy_lens = (0, 4)
     config.sampled_copy_lens = (0,)  # T=1: the heads alone
     config.batch_sizes = (1, 8)
     config.batch_temperatures = (0.0,)
-    config.batch_settings = ('ar', 'tree/jetspec/accum_logp/8/copy4', 'tree/jetspec/accum_logp/16')
+    config.batch_settings = ('ar', 'tree/jetspec/best_first/8', 'tree/jetspec/best_first/16')
   if arg == 'dspark':
     # DSpark against JetSpec on the same data (3,376 sequences) and steps: the JetSpec head's
     # fastest CPU settings (trees of 8 nodes, with and without 4 copy candidates) beside DSpark's
@@ -206,6 +212,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg == 'best_first':  # the :long run with node-by-node trees (jetspec_jax.tree.best_first)
     config.tree_algorithms = ('best_first',)
     config.round_cost_settings = ('tree/jetspec/best_first/8', 'tree/jetspec/best_first/16/copy4')
+  if arg == 'best_first_budgets':  # whole responses: trees of 6-12 nodes, copy branches of 0-2
+    config.heads = ml_collections.ConfigDict(dict(jetspec='assets/jetspec_head_smollm2_135m'))
+    config.num_per_group = 3
+    config.max_new_tokens = 256
+    config.budgets = (6, 8, 10, 12)
+    config.tree_algorithms = ('best_first',)
+    config.copy_lens = (0, 2)
+    config.temperatures = (0.0,)
+    config.peers = ()
+    config.round_cost_batches = (1,)
+    config.round_cost_settings = tuple(f'tree/jetspec/best_first/{b}' for b in config.budgets)
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
     config.budgets = (8, 16, 32)
     config.tree_algorithms = ('accum_logp',)

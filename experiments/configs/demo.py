@@ -17,10 +17,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.prompts = 'chat'  # held-out chat-formatted code + chat requests; 'code': raw HumanEval
   config.num_prompts = 4
   config.max_new_tokens = 96
-  # A tree of 8 nodes, 4 of them copy candidates in 'tree+copy': the fastest CPU setting of the
-  # SmolLM2 benchmark (a round costs more with every node on a CPU: docs/benchmarks.md §2).
+  # A tree of 8 nodes built node by node (jetspec_jax.tree.best_first: the 7 most probable
+  # paths), 4 of them copy candidates in 'tree+copy': the fastest CPU settings of the SmolLM2
+  # benchmarks (a round costs more with every node on a CPU: docs/benchmarks.md §2).
   config.budget = 8
   config.width = 7
+  config.algorithm = 'best_first'  # or 'accum_logp' (the paper's), 'top2gap'
   config.copy_len = 4  # 'tree+copy': copy candidates from the context (prompt lookup)
   if arg in ('code_small', 'tiny'):
     config.target = 'assets/target_code_small'
