@@ -31,7 +31,6 @@ CASES = [
   (js.methods.Tree(budget=255, width=7), 'causal'),
   (js.methods.Tree(budget=40, width=5, algorithm='top2gap'), 'causal'),
   (js.methods.Tree(budget=16, width=4, algorithm='best_first', copy_len=3), 'causal'),
-  (js.methods.Tree(budget=12, width=3, algorithm='weakest_link'), 'bidirectional'),
 ]
 
 

@@ -169,23 +169,18 @@ def all_paths(ids, lps):
 
 
 @pytest.mark.parametrize('seed', range(6))
-@pytest.mark.parametrize('builder', ['best_first', 'weakest_link'])
-def test_best_first_holds_the_most_probable_paths(seed, builder):
+def test_best_first_holds_the_most_probable_paths(seed):
   """best_first's draft nodes are the ``budget - 1`` highest-scoring paths of the full tree of
-  ``W**1 + ... + W**D`` paths (continuous scores: no ties), added in score order; weakest_link's
-  are the highest by (least node log-prob, then sum)."""
+  ``W**1 + ... + W**D`` paths (continuous scores: no ties), added in score order."""
   rng = np.random.default_rng(400 + seed)
   d, w = int(rng.integers(1, 5)), int(rng.integers(1, 5))
   budget = int(rng.integers(1, 1 + sum(w**k for k in range(1, d + 1)) + 3))
   ids = rng.permutation(1000)[: d * w].reshape(d, w)  # distinct per depth
   lps = -np.sort(rng.exponential(1.5, size=(d, w)), axis=1).astype(np.float32)
-  build_fn = jax.jit(tree_lib.TREE_BUILDERS[builder], static_argnames='budget')
-  tree = build_fn(ids, lps, budget, anchor=5)
+  tree = jax.jit(tree_lib.best_first, static_argnames='budget')(ids, lps, budget, anchor=5)
   nodes = as_lists(tree)
   paths = all_paths(ids, lps)
-  weakest = {r: min(lps[k, rank] for k, rank in enumerate(r)) for r in paths}
-  key = {'best_first': lambda r: -paths[r], 'weakest_link': lambda r: (-weakest[r], -paths[r])}
-  want = sorted(paths, key=key[builder])[: budget - 1]
+  want = sorted(paths, key=lambda r: -paths[r])[: budget - 1]
   got, ranks = [], {0: ()}
   for v, (token, parent, depth, score) in enumerate(nodes[1:], start=1):
     assert 0 <= parent < v and depth == len(ranks[parent]) + 1
@@ -206,22 +201,6 @@ def test_best_first_spends_a_small_budget_on_depth():
   assert np.asarray(build(ids, lps, budget=8).depths).tolist() == [0] + [1] * 7
   wide = np.asarray(tree_lib.best_first(ids, lps, 16).depths)
   assert wide.max() == 7 and (wide == 1).sum() > 1  # the budget past the chain buys siblings
-
-
-def test_weakest_link_goes_deeper_than_the_product():
-  """Top-1 probabilities 0.6, 0.45, 0.45, 0.4 by depth, runners-up 0.3: the product ranks the
-  root's second child (0.3) above the depth-2 trunk node (0.6 * 0.45 = 0.27); by the weakest
-  node the trunk's 0.45 and 0.45 come before any 0.3."""
-  ids = np.arange(8).reshape(4, 2)
-  lps = np.log([[0.6, 0.3], [0.45, 0.3], [0.45, 0.3], [0.4, 0.3]]).astype(np.float32)
-  product = tree_lib.best_first(ids, lps, 4)
-  weakest = tree_lib.weakest_link(ids, lps, 4)
-  assert np.asarray(product.tokens).tolist() == [0, 0, 1, 2]  # root, trunk 1, sibling, trunk 2
-  assert np.asarray(weakest.tokens).tolist() == [0, 0, 2, 4]  # root, trunk 1, 2, 3
-  assert np.asarray(weakest.depths).tolist() == [0, 1, 2, 3]
-  np.testing.assert_allclose(np.exp(weakest.scores), [1, 0.6, 0.27, 0.1215], rtol=1e-5)
-  with pytest.raises(ValueError, match='path_score'):
-    tree_lib.best_first(ids, lps, 4, path_score='max')
 
 
 @pytest.mark.parametrize('kind', ['random', 'chain', 'star'])

@@ -31,8 +31,7 @@ accum_logp adds all 7 candidates per expansion and so spends 8 nodes on the root
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:best_first \
       --workdir=benchmarks/smollm2_135m_best_first
 
-Trees of 6-12 nodes node by node, paths ranked by their probability (best_first) or by their
-least probable node (weakest_link), each with and without a 2-token copy branch:
+Budgets of 6-12 nodes for those trees, each with and without a 2-token copy branch:
   python -m experiments.benchmark \
       --config=experiments/configs/benchmark_smollm2.py:best_first_budgets \
       --workdir=benchmarks/smollm2_135m_best_first_budgets
@@ -217,13 +216,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.heads = ml_collections.ConfigDict(dict(jetspec='assets/jetspec_head_smollm2_135m'))
     config.num_per_group = 3
     config.max_new_tokens = 256
-    config.budgets = (6, 8, 12)
-    config.tree_algorithms = ('best_first', 'weakest_link')
+    config.budgets = (6, 8, 10, 12)
+    config.tree_algorithms = ('best_first',)
     config.copy_lens = (0, 2)
     config.temperatures = (0.0,)
     config.peers = ()
     config.round_cost_batches = (1,)
-    config.round_cost_settings = tuple(f'tree/jetspec/weakest_link/{b}' for b in config.budgets)
+    config.round_cost_settings = tuple(f'tree/jetspec/best_first/{b}' for b in config.budgets)
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
     config.budgets = (8, 16, 32)
     config.tree_algorithms = ('accum_logp',)

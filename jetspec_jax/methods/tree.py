@@ -45,8 +45,8 @@ def check_copy_fits(copy_len: int, head) -> None:
 @dataclasses.dataclass(frozen=True)
 class Tree(Method):
   """JetSpec: a draft tree of ``budget`` nodes (root included), ``width`` candidates per depth,
-  built by ``algorithm`` (``'accum_logp'``, ``'top2gap'``, ``'best_first'`` or
-  ``'weakest_link'``, :data:`jetspec_jax.tree.TREE_BUILDERS`).
+  built by ``algorithm`` (``'accum_logp'``, ``'top2gap'`` or ``'best_first'``,
+  :data:`jetspec_jax.tree.TREE_BUILDERS`).
 
   ``copy_len > 0`` adds copy candidates (:mod:`jetspec_jax.prompt_lookup`): up to ``copy_len``
   tokens that followed the latest longest match (``1..copy_ngram`` tokens) of the context's
