@@ -18,8 +18,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.num_prompts = 4
   config.max_new_tokens = 96
   # A tree of 8 nodes built node by node (jetspec_jax.tree.best_first: the 7 most probable
-  # paths), 4 of them copy candidates in 'tree+copy': the fastest CPU settings of the SmolLM2
-  # benchmarks (a round costs more with every node on a CPU: docs/benchmarks.md §2).
+  # paths), one of the fastest CPU settings of the SmolLM2 benchmarks (a round costs more with
+  # every node on a CPU: docs/benchmarks.md §2); 'tree+copy' gives 4 of them to copy candidates.
   config.budget = 8
   config.width = 7
   config.algorithm = 'best_first'  # or 'accum_logp' (the paper's), 'top2gap'
