@@ -198,7 +198,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.copy_lens = (0, 4)
     config.temperatures = (0.0,)
     config.peers = ()
-  if arg in ('long', 'best_first'):  # steady state: whole responses (<= 256 new tokens), not 48
+  if arg in ('long', 'best_first', 'best_first_budgets'):  # whole responses (<= 256 new tokens)
     config.heads = ml_collections.ConfigDict(dict(jetspec='assets/jetspec_head_smollm2_135m'))
     config.num_per_group = 3
     config.max_new_tokens = 256
@@ -212,16 +212,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg == 'best_first':  # the :long run with node-by-node trees (jetspec_jax.tree.best_first)
     config.tree_algorithms = ('best_first',)
     config.round_cost_settings = ('tree/jetspec/best_first/8', 'tree/jetspec/best_first/16/copy4')
-  if arg == 'best_first_budgets':  # whole responses: trees of 6-12 nodes, copy branches of 0-2
-    config.heads = ml_collections.ConfigDict(dict(jetspec='assets/jetspec_head_smollm2_135m'))
-    config.num_per_group = 3
-    config.max_new_tokens = 256
+  if arg == 'best_first_budgets':  # the :best_first run with trees of 6-12 nodes, copy 0-2
     config.budgets = (6, 8, 10, 12)
     config.tree_algorithms = ('best_first',)
     config.copy_lens = (0, 2)
-    config.temperatures = (0.0,)
-    config.peers = ()
-    config.round_cost_batches = (1,)
     config.round_cost_settings = tuple(f'tree/jetspec/best_first/{b}' for b in config.budgets)
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
     config.budgets = (8, 16, 32)
