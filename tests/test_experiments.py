@@ -152,6 +152,7 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
     'long',
     'best_first',
     'best_first_budgets',
+    'steps',
     'quick',
   ],
 )

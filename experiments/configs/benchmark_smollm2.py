@@ -36,6 +36,12 @@ Budgets of 6-12 nodes for those trees, each with and without a 2-token copy bran
       --config=experiments/configs/benchmark_smollm2.py:best_first_budgets \
       --workdir=benchmarks/smollm2_135m_best_first_budgets
 
+The JetSpec head trained for 1,600 steps on all of round 0 (assets/README.md, "Scaling with
+steps") beside the shipped head, whole responses, T=0, chains and trees of 6 and 8 nodes:
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:steps \
+      --config.heads.steps1600=runs/scale_all_jetspec_1600/export \
+      --workdir=benchmarks/smollm2_135m_steps
+
 A head trained with the new recipe (assets/README.md) against the shipped JetSpec head, T=0,
 budget 16, with and without copy candidates:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:recipe \
@@ -198,7 +204,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.copy_lens = (0, 4)
     config.temperatures = (0.0,)
     config.peers = ()
-  if arg in ('long', 'best_first', 'best_first_budgets'):  # whole responses (<= 256 new tokens)
+  if arg in ('long', 'best_first', 'best_first_budgets', 'steps'):  # whole responses (<= 256)
     config.heads = ml_collections.ConfigDict(dict(jetspec='assets/jetspec_head_smollm2_135m'))
     config.num_per_group = 3
     config.max_new_tokens = 256
@@ -217,6 +223,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.tree_algorithms = ('best_first',)
     config.copy_lens = (0, 2)
     config.round_cost_settings = tuple(f'tree/jetspec/best_first/{b}' for b in config.budgets)
+  if arg == 'steps':  # the 1,600-step head of all of round 0 beside the shipped head, trees of 6-8
+    config.heads = ml_collections.ConfigDict(
+      dict(
+        jetspec='assets/jetspec_head_smollm2_135m',
+        steps1600='runs/scale_all_jetspec_1600/export',  # --config.heads.steps1600=<an export>
+      )
+    )
+    config.budgets = (6, 8)
+    config.tree_algorithms = ('best_first',)
+    config.copy_lens = (0,)
+    config.round_cost_settings = ('tree/jetspec/best_first/8', 'tree/steps1600/best_first/8')
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
     config.budgets = (8, 16, 32)
     config.tree_algorithms = ('accum_logp',)
