@@ -37,7 +37,9 @@ Budgets of 6-12 nodes for those trees, each with and without a 2-token copy bran
       --workdir=benchmarks/smollm2_135m_best_first_budgets
 
 The JetSpec head trained for 1,600 steps on all of round 0 (assets/README.md, "Scaling with
-steps") beside the shipped head, whole responses, T=0, chains and trees of 6 and 8 nodes:
+steps") beside the 800-step head that was shipped when this ran (session 47; since session 48 the
+1,600-step head is the shipped one, so ``heads.jetspec`` must name the older head's export for the
+same comparison), whole responses, T=0, chains and trees of 6 and 8 nodes:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:steps \
       --config.heads.steps1600=runs/scale_all_jetspec_1600/export \
       --workdir=benchmarks/smollm2_135m_steps
@@ -223,7 +225,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.tree_algorithms = ('best_first',)
     config.copy_lens = (0, 2)
     config.round_cost_settings = tuple(f'tree/jetspec/best_first/{b}' for b in config.budgets)
-  if arg == 'steps':  # the 1,600-step head of all of round 0 beside the shipped head, trees of 6-8
+  if arg == 'steps':  # a 1,600-step head beside heads.jetspec (was the 800-step head), trees 6-8
     config.heads = ml_collections.ConfigDict(
       dict(
         jetspec='assets/jetspec_head_smollm2_135m',
