@@ -127,10 +127,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.round_cost_batches = (1,)
     config.round_cost_settings = ('tree/jetspec/accum_logp/8/copy4', 'dspark/dspark/threshold0')
   if arg == 'jetspecpp':
-    # JetSpec++ against JetSpec, both heads of the same recipe, data (4,928 sequences since
-    # session 49; 3,376 when it ran), size and steps: trees of 8 nodes with and without 4 copy
-    # candidates, MASK slots (= JetSpec drafting with this head) and recycled guesses, T=0 and
-    # T=1, batch 1.
+    # JetSpec++ against JetSpec, both heads of the same recipe, data (4,928 sequences), size and
+    # steps (1,600): trees of 8 nodes with and without 4 copy candidates, MASK slots (= JetSpec
+    # drafting with this head) and recycled guesses, T=0 and T=1, batch 1.
     config.heads = ml_collections.ConfigDict(
       dict(
         jetspec='assets/jetspec_head_smollm2_135m',
