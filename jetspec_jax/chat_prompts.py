@@ -9,6 +9,16 @@ Three training sources, none of which reads an evaluation prompt:
   signature and the first paragraph of its docstring, phrased as a request;
 * **math word problems** from templates with random quantities (:data:`TRAIN_MATH_TEMPLATES`).
 
+A ``'tasks'`` prompt round (``chat_data``) draws from three more, in the forms the evaluation
+prompts take but never their content:
+
+* **task requests** (:func:`task_requests`): short imperative chat requests (explain, list,
+  compare, write a short poem or email, how-to) from templates and topic lists that leave out every
+  topic of :data:`EVAL_CHAT_INSTRUCTIONS`;
+* **completion tasks** (:func:`completion_tasks`): a standard-library function's signature and
+  docstring as a code block to complete (the form of the HumanEval requests);
+* more math templates (:data:`TASK_MATH_TEMPLATES`), disjoint from the evaluation ones.
+
 Evaluation uses HumanEval (code), :data:`EVAL_CHAT_INSTRUCTIONS` (chat, written for evaluation
 only) and :func:`math_word_problems` with the disjoint :data:`EVAL_MATH_TEMPLATES`.
 """
@@ -102,6 +112,27 @@ TRAIN_MATH_TEMPLATES = (
   'A baker makes {a} loaves in the morning and {b} in the afternoon. '
   'If {c} are sold, how many are left?',
 )
+# The 'tasks' round's extra templates (with TRAIN_MATH_TEMPLATES): other situations and
+# operations than EVAL_MATH_TEMPLATES (no farm animals, laps, tanks or tickets).
+TASK_MATH_TEMPLATES = (
+  'A box holds {b} eggs. How many boxes are needed for {d} eggs?',
+  '{name} has {d} stickers and shares them equally among {b} friends. How many does each friend '
+  'get, and how many are left over?',
+  'A bus starts with {a} passengers. At the first stop {c} get off and {b} get on. How many '
+  'passengers are on the bus now?',
+  'A garden is {a} m long and {b} m wide. How much fencing is needed to go around it?',
+  'A car uses {c} litres of fuel every 100 km. How much fuel does it use for {d} km?',
+  'A library has {d} books. It lends out {a} and buys {b} new ones. How many books does it have '
+  'now?',
+  'A class of {a} students is split into groups of {b}. How many full groups are there, and how '
+  'many students are left over?',
+  '{name} earns {a} dollars an hour and works {b} hours a week. How much does {pron_l} earn in '
+  '{c} weeks?',
+  'A pizza is cut into {b} slices and {name} eats {c} of them. What fraction of the pizza is left?',
+  'A square has sides of {a} cm. What are its perimeter and its area?',
+  'A jacket costs {d} dollars and is sold at {b} percent off. What is the sale price?',
+  'A printer prints {a} pages a minute. How long does it take to print {d} pages?',
+)
 EVAL_MATH_TEMPLATES = (
   'A farmer has {a} sheep and {b} cows. Each sheep eats {c} kg of hay a day and each cow twice '
   'as much. How much hay do the animals eat in one day?',
@@ -145,6 +176,199 @@ EVAL_CHAT_INSTRUCTIONS = (
   'Why is the sky blue?',
   'Give me a short motivational message for a job interview.',
 )
+
+
+# Task requests: templates whose {slots} are filled from the lists below. No topic of
+# EVAL_CHAT_INSTRUCTIONS is in them (tests/test_chat_data.py checks the key phrases).
+_TASK_TEMPLATES = (
+  'Explain {concept} in simple terms.',
+  'Explain {concept} to {audience}.',
+  'What is {concept}, and why does it matter?',
+  'How does {concept} work?',
+  'Describe {concept} in a short paragraph.',
+  'Give me {n} tips for {activity}.',
+  'What are some good ways to {goal}?',
+  'How can I {goal}?',
+  'Suggest {n} ways to {goal}.',
+  'Write a short {form} about {subject}.',
+  'Write a {form} about {subject} for {audience}.',
+  'What are the main differences between {pair}?',
+  'Compare {pair} in a few sentences.',
+  'List {n} {things}.',
+  'Name {n} {things} and say one thing about each.',
+  'Summarize {topic} in a few sentences.',
+  'Give a brief overview of {topic}.',
+  'Write a {tone} email {purpose}.',
+  'Write a short message {purpose}.',
+  'Suggest a name for {business} and explain why it fits.',
+  'How do I {howto} properly?',
+  'What are the steps to {howto}?',
+  'Why {why}?',
+  'Explain {code_concept} in Python with a simple example.',
+  'When should I use {code_concept} in Python?',
+  'What should I bring to {event}?',
+  'Make a checklist for {event}.',
+  'Give me a short {cheer} for {occasion}.',
+  'Describe a good {routine}.',
+)
+_TASK_SLOTS = dict(
+  concept=(
+    'gravity', 'inflation', 'the stock market', 'vaccines', 'electricity', 'the internet',
+    'a volcano', 'an earthquake', 'the immune system', 'compound interest', 'democracy',
+    'evolution', 'DNA', "the moon's phases", 'tides', 'a solar eclipse', 'machine learning',
+    'encryption', 'supply and demand', 'magnetism', 'sound', 'the Pythagorean theorem',
+    'probability', 'a credit score', 'renewable energy', 'plate tectonics', 'sleep', 'memory',
+    'friction', 'atoms', 'a battery', 'the seasons', 'an algorithm', 'a computer virus',
+    'nuclear energy', 'taxes', 'a refrigerator', 'the human eye', 'interest rates', 'a bicycle gear',
+  ),
+  audience=(
+    'a child', 'a teenager', 'a complete beginner', 'my grandmother', 'a new coworker',
+    'a friend who is not technical', 'a class of students',
+  ),
+  n=('three', 'four', 'five', 'six', 'seven'),
+  activity=(
+    'saving money', 'learning a new language', 'sleeping better', 'public speaking',
+    'writing a resume', 'keeping a houseplant alive', 'running a first 5k', 'cooking on a budget',
+    'working from home', 'making friends in a new city', 'reducing stress',
+    'taking better photos with a phone', 'keeping a kitchen clean', 'learning the guitar',
+    'staying safe online', 'reading more books', 'training a puppy', 'starting a vegetable garden',
+    'traveling on a budget', 'writing clearly', 'managing time at work', 'drinking more water',
+    'giving feedback to a coworker', 'packing light',
+  ),
+  goal=(
+    'save energy at home', 'remember names better', 'reduce food waste',
+    'make a long commute more pleasant', 'get better at chess', 'keep a phone battery healthy',
+    'stay productive in the afternoon', 'stay warm in winter without a big heating bill',
+    'organize a closet', 'improve my posture', 'cut down on sugar',
+    'make a small apartment feel bigger', 'spend less time on my phone', 'learn to type faster',
+  ),
+  form=('poem', 'story', 'limerick', 'haiku', 'song verse', 'fable', 'diary entry'),
+  subject=(
+    'a lost umbrella', 'autumn leaves', 'a city at dawn', 'a cat who wants to fly', 'friendship',
+    'a rainy afternoon', 'a robot learning to cook', 'the first day of school', 'an old bicycle',
+    'a dragon who is afraid of the dark', 'a busy train station', 'a garden in spring',
+    'the last day of summer', 'a kind neighbor', 'a snowy village',
+  ),
+  pair=(
+    'a virus and a bacterium', 'a stock and a bond', 'a lake and a pond',
+    'a crocodile and an alligator', 'RAM and storage', 'a hurricane and a tornado',
+    'baking soda and baking powder', 'renting and buying a home', 'HTTP and HTTPS',
+    'a laptop and a tablet', 'fiction and nonfiction', 'a simile and a metaphor',
+    'mitosis and meiosis', 'speed and velocity', 'a debit card and a credit card',
+    'a set and a dictionary in Python', 'a city and a town',
+  ),
+  things=(
+    'fruits that are high in vitamin C', 'indoor plants that are easy to care for',
+    'board games for a family night', 'famous painters', 'countries in South America',
+    'ways to reuse glass jars', 'questions to ask at the end of a meeting', 'classic novels',
+    'exercises you can do without equipment', 'hobbies that cost little money',
+    'programming languages and what they are used for', 'animals that live in the desert',
+    'things to do on a rainy day', 'inventions that changed the world', 'easy dinner recipes',
+    'ways to be kind to a stranger',
+  ),
+  topic=(
+    'the history of the printing press', 'how bees make honey', 'the life cycle of a butterfly',
+    'the French Revolution', 'how a bill becomes a law', 'the story of Romeo and Juliet',
+    'the rules of soccer', 'how the heart pumps blood', 'the causes of the First World War',
+    'how a car engine works', 'the plot of Cinderella', 'how recycling works',
+    'the history of the Olympic Games', 'how coffee is grown', 'how a bank loan works',
+  ),
+  tone=('polite', 'friendly', 'formal', 'short'),
+  purpose=(
+    'asking my manager for a day off', 'thanking a teacher', 'inviting neighbors to a barbecue',
+    'asking a landlord to fix a leaking tap', 'declining a meeting invitation',
+    'apologizing for missing a deadline', 'welcoming a new team member',
+    'asking a friend to return a borrowed book', 'requesting a refund for a broken kettle',
+    'telling a club that I am stepping down as treasurer',
+  ),
+  business=(
+    'a bicycle repair shop', 'a dog walking service', 'a small bookstore', 'a flower shop',
+    'a taco truck', 'a yoga studio', 'a tutoring service', 'a coffee cart', 'an online plant shop',
+    'a house cleaning company',
+  ),
+  howto=(
+    'boil an egg', 'iron a shirt', 'tie a tie', 'clean a cast iron pan', 'plant a tree',
+    'fix a flat bicycle tire', 'wash a wool sweater', 'sharpen a kitchen knife',
+    'back up my computer', 'bake bread at home', 'cook rice on the stove', 'paint a room',
+  ),
+  why=(
+    'do cats purr', 'do leaves change color in autumn', 'is the ocean salty', 'do we dream',
+    'do onions make us cry', 'does ice float', 'do we get hiccups', 'do birds migrate',
+    'is exercise good for the brain', 'does bread go stale', 'do we yawn',
+    'do some people need glasses',
+  ),
+  code_concept=(
+    'a dictionary', 'a for loop', 'a list comprehension', 'exceptions', 'a class', 'a decorator',
+    'a generator', 'f-strings', 'a while loop', 'default arguments', 'the with statement',
+    'sorting with a key function', 'slicing', 'modules and imports', 'a lambda',
+  ),
+  event=(
+    'a day at the beach', 'a picnic in the park', 'a long flight', 'a first day at a new job',
+    'a ski trip', 'a music festival', 'a road trip', 'a business conference',
+    "a child's birthday party", 'moving into a new apartment',
+  ),
+  cheer=('motivational message', 'word of encouragement', 'pep talk', 'congratulations note'),
+  occasion=(
+    'a friend running a marathon', 'a student before final exams',
+    'a colleague starting a new project', 'someone learning to drive', 'my sister who graduated',
+    'a team before a big game',
+  ),
+  routine=(
+    'evening routine', 'weekly cleaning routine', 'routine for a productive workday',
+    'bedtime routine for a toddler', 'stretching routine for people who sit all day',
+  ),
+)
+
+
+def task_requests(n: int, *, seed: int) -> list[str]:
+  """``n`` distinct short task requests (deterministic in ``seed``), or all there are if fewer."""
+  rng = np.random.default_rng(seed)
+  out, seen = [], set()
+  for _ in range(50 * n):
+    if len(out) == n:
+      break
+    template = _TASK_TEMPLATES[rng.integers(len(_TASK_TEMPLATES))]
+    slots = {
+      name: values[rng.integers(len(values))]
+      for name, values in _TASK_SLOTS.items()
+      if '{' + name + '}' in template
+    }
+    text = template.format(**slots)
+    if text not in seen:
+      seen.add(text)
+      out.append(text)
+  return out
+
+
+_COMPLETION_PHRASES = (
+  'Complete this Python function:\n\n```python\n{src}\n```',
+  'Finish the implementation of this Python function:\n\n```python\n{src}\n```',
+  'Write the body of this function:\n\n```python\n{src}\n```',
+  '```python\n{src}\n```\n\nImplement this function.',
+)
+
+
+@functools.cache
+def completable_functions(files: tuple[pathlib.Path, ...]) -> tuple[str, ...]:
+  """Source up to the end of the docstring of the public documented functions in ``files``."""
+  return tuple(
+    source.strip()
+    for name, source in prompts_lib.function_prompts(list(files))
+    if not name.rsplit('.', 1)[-1].startswith('_')
+  )
+
+
+def completion_tasks(files, *, limit: int, seed: int, skip: int = 0) -> list[str]:
+  """Requests to complete a standard-library function given as its signature and docstring in a
+  code block (the form of the HumanEval requests): ``limit`` of a fixed shuffle (``seed``)
+  after its first ``skip``."""
+  sources = completable_functions(tuple(files))
+  rng = np.random.default_rng(seed)
+  order = rng.permutation(len(sources))[skip : skip + limit]
+  return [
+    _COMPLETION_PHRASES[rng.integers(len(_COMPLETION_PHRASES))].format(src=sources[i])
+    for i in order
+  ]
 
 
 def stdlib_train_files(validation_modules=()) -> list[pathlib.Path]:

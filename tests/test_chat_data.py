@@ -1,7 +1,9 @@
 """The SmolLM2 prompt plan: round 0 reproduces the committed shards' prompts; later rounds
-(``data.prompt_rounds``) add prompts that repeat no earlier text or coding task."""
+(``data.prompt_rounds``) add prompts that repeat no earlier text or coding task; a ``'tasks'``
+round takes the evaluation prompts' forms but none of their topics."""
 
 import pathlib
+import re
 
 import ml_collections
 import numpy as np
@@ -76,6 +78,57 @@ def test_later_rounds_repeat_no_text_or_coding_task():
   coding1 = chat_prompts.coding_tasks(files, limit=40, seed=0, skip=40)
   assert set(coding0) <= set(round0) and set(coding1) <= set(round1)
   assert not {t[-40:] for t in coding0} & {t[-40:] for t in coding1}
+
+
+# The topic of each of EVAL_CHAT_INSTRUCTIONS, in its order: no training task request names one.
+EVAL_CHAT_TOPICS = (
+  'studying', 'black hole', 'the sea', 'tuple', 'water cycle', 'bakery', 'tea', 'report',
+  'photosynthesis', 'breakfast', 'climate', 'morning', 'hiking', 'recursion', 'sky',
+  'interview',
+)
+
+
+def test_task_requests_leave_out_the_evaluation_topics():
+  assert len(EVAL_CHAT_TOPICS) == len(chat_prompts.EVAL_CHAT_INSTRUCTIONS)
+  for topic, instruction in zip(EVAL_CHAT_TOPICS, chat_prompts.EVAL_CHAT_INSTRUCTIONS):
+    assert topic in instruction.lower()  # the list above names each instruction's topic
+  requests = chat_prompts.task_requests(3000, seed=0)
+  assert len(requests) == len(set(requests)) > 1500
+  assert requests == chat_prompts.task_requests(3000, seed=0)
+  assert requests[:100] != chat_prompts.task_requests(100, seed=1)
+  topics = re.compile(r'\b(' + '|'.join(EVAL_CHAT_TOPICS) + r')\b')
+  for request in requests:
+    assert not topics.search(request.lower()), request
+  assert not set(chat_prompts.TASK_MATH_TEMPLATES) & set(chat_prompts.EVAL_MATH_TEMPLATES)
+
+
+def test_a_tasks_round_keeps_the_chat_rounds_and_adds_the_evaluation_forms():
+  data = ml_collections.ConfigDict(
+    dict(
+      num_coding=40,
+      num_math=60,
+      num_task_requests=50,
+      validation_modules=corpus.VALIDATION_MODULES,
+      round_mixes=('chat', 'chat', 'tasks'),
+    )
+  )
+  plain = ml_collections.ConfigDict({k: v for k, v in data.items() if k != 'round_mixes'})
+  instructions = ['Name a color.', 'Write a haiku.']
+  for r in (0, 1):  # the chat rounds are the plan they were before round_mixes existed
+    assert chat_data.training_texts(instructions, data, seed=0, prompt_round=r) == (
+      chat_data.training_texts(instructions, plain, seed=0, prompt_round=r)
+    )
+  texts = chat_data.training_texts(instructions, data, seed=0, prompt_round=2)
+  assert 'Name a color.' not in texts  # no self-written instructions
+  files = corpus.stdlib_files(corpus.VALIDATION_MODULES)[0]
+  completions = chat_prompts.completion_tasks(files, limit=40, seed=0)
+  assert set(completions) <= set(texts) and len(texts) == 50 + 40 + 60
+  assert all('```python\n' in t and 'def ' in t for t in completions)
+  # the math problems come from both template sets (the extra ones' first words)
+  assert any(t.startswith('A box holds') or t.startswith('A jacket costs') for t in texts)
+  assert set(chat_prompts.task_requests(50, seed=2000)) <= set(texts)  # round 2's seed
+  with pytest.raises(ValueError, match='unknown prompt mix'):
+    chat_data.round_mix(ml_collections.ConfigDict(dict(round_mixes=('chat', 'code'))), 1)
 
 
 def test_round_dirs():

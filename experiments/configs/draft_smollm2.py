@@ -84,6 +84,14 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       # instructions, the next slice of coding tasks, new math problems; no repeated text) in
       # data/round{r}/ (chat_data.generate_chat_dataset). 2: about 2M response tokens.
       prompt_rounds=1,
+      # Each round's prompt mix (the last one for rounds past the tuple): 'chat' is the plan
+      # above; 'tasks' (round 2) is the forms of the evaluation prompts, never their content:
+      # num_task_requests short templated requests (explain, list, compare, write a short...),
+      # num_coding stdlib functions to complete from signature + docstring in a code block, and
+      # num_math problems of the training and extra math templates; no self-written stage.
+      round_mixes=('chat', 'chat', 'tasks'),
+      num_task_requests=1600,
+      only_round=-1,  # >= 0: generate just that round (e.g. 2 before round 1 is finished)
       validation_modules=corpus.VALIDATION_MODULES,
       max_prompt_len=160,
       max_new_tokens=320,
@@ -156,6 +164,7 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       instruction_tokens=12,
       num_coding=2,
       num_math=2,
+      num_task_requests=2,
       max_new_tokens=8,
       max_len=180,
       shard_size=4,

@@ -94,23 +94,51 @@ def round_dirs(workdir, data_dir, prompt_round: int) -> tuple[pathlib.Path, path
   return workdir / f'instructions{suffix}', data_lib.prompt_round_dir(data_dir, prompt_round)
 
 
+def round_mix(data_config, prompt_round: int) -> str:
+  """The prompt mix of a round: ``data.round_mixes[prompt_round]`` (the last one past its end;
+  ``'chat'`` when unset)."""
+  mixes = tuple(data_config.get('round_mixes') or ('chat',))
+  mix = mixes[min(prompt_round, len(mixes) - 1)]
+  if mix not in ('chat', 'tasks'):
+    raise ValueError(f"data.round_mixes: unknown prompt mix {mix!r} (known: 'chat', 'tasks')")
+  return mix
+
+
 def training_texts(
   instructions: list[str], data_config, *, seed: int, prompt_round: int = 0, exclude=frozenset()
 ) -> list[str]:
-  """One prompt round's instructions, shuffled so every source is spread evenly: the
-  self-written ``instructions``, ``num_coding`` standard-library coding tasks (round r takes the
-  r-th slice of one fixed shuffle, so rounds share none) and ``num_math`` math word problems.
-  ``seed`` is the plan's (``config.seed``); round r draws with ``seed + r * ROUND_SEED_STRIDE``.
-  Texts in ``exclude`` (lower-cased: earlier rounds' texts) are dropped; round 0 excludes none,
-  so its prompts do not depend on how many rounds follow."""
+  """One prompt round's texts, shuffled so every source is spread evenly.
+
+  A ``'chat'`` round (:func:`round_mix`): the self-written ``instructions``, ``num_coding``
+  standard-library coding tasks (the r-th ``'chat'`` round takes the r-th slice of one fixed
+  shuffle, so rounds share none) and ``num_math`` math word problems. A ``'tasks'`` round (no
+  self-written instructions): ``num_task_requests`` short task requests, ``num_coding``
+  completion tasks (the k-th ``'tasks'`` round the k-th slice of their own shuffle) and
+  ``num_math`` math problems of the training and the extra templates
+  (:mod:`jetspec_jax.chat_prompts`). ``seed`` is the plan's (``config.seed``); round r draws
+  with ``seed + r * ROUND_SEED_STRIDE``. Texts in ``exclude`` (lower-cased: earlier rounds'
+  texts) are dropped; round 0 excludes none, so its prompts do not depend on how many rounds
+  follow."""
   files = corpus.stdlib_files(tuple(data_config.validation_modules))[0]
   n = data_config.num_coding
   round_seed = seed + ROUND_SEED_STRIDE * prompt_round
-  texts = (
-    list(instructions)
-    + chat_prompts.coding_tasks(files, limit=n, seed=seed, skip=n * prompt_round)
-    + chat_prompts.math_word_problems(data_config.num_math, seed=round_seed)
-  )
+  mix = round_mix(data_config, prompt_round)
+  slice_index = sum(round_mix(data_config, r) == mix for r in range(prompt_round))
+  if mix == 'chat':
+    texts = (
+      list(instructions)
+      + chat_prompts.coding_tasks(files, limit=n, seed=seed, skip=n * slice_index)
+      + chat_prompts.math_word_problems(data_config.num_math, seed=round_seed)
+    )
+  else:
+    math_templates = chat_prompts.TRAIN_MATH_TEMPLATES + chat_prompts.TASK_MATH_TEMPLATES
+    texts = (
+      chat_prompts.task_requests(data_config.num_task_requests, seed=round_seed)
+      + chat_prompts.completion_tasks(files, limit=n, seed=seed, skip=n * slice_index)
+      + chat_prompts.math_word_problems(
+        data_config.num_math, seed=round_seed, templates=math_templates
+      )
+    )
   texts = [t for t in texts if t.lower() not in exclude]
   order = np.random.default_rng(round_seed).permutation(len(texts))
   return [texts[i] for i in order]
@@ -128,22 +156,32 @@ def generate_chat_dataset(
   """Both stages for each of ``data.prompt_rounds`` prompt rounds (1 when unset), one round
   after the other; returns the data directory and counts. A later round is a fresh prompt plan
   (its own seed, instructions, coding-task slice and math problems, no text of an earlier
-  round), so the data grows past one plan without reordering the prompts of finished shards."""
+  round), so the data grows past one plan without reordering the prompts of finished shards.
+  A ``'tasks'`` round (``data.round_mixes``) has no stage 1. ``data.only_round`` >= 0 answers
+  that round's prompts only (earlier rounds' texts are still made, to exclude them)."""
   workdir = pathlib.Path(workdir)
   data_config = config.data
   data_dir = pathlib.Path(data_config.dir or workdir / 'data')
   counts, seen = {}, set()
-  for prompt_round in range(data_config.get('prompt_rounds', 1)):
+  num_rounds = data_config.get('prompt_rounds', 1)
+  only_round = data_config.get('only_round', -1)
+  if only_round >= num_rounds:
+    raise ValueError(f'data.only_round={only_round} is not below data.prompt_rounds={num_rounds}')
+  for prompt_round in range(num_rounds):
     round_seed = config.seed + ROUND_SEED_STRIDE * prompt_round
     instructions_dir, round_data_dir = round_dirs(workdir, data_dir, prompt_round)
-    instructions = self_written_instructions(
-      target, tokenizer, instructions_dir, data_config, seed=round_seed
-    )
-    logging.info('round %d: %d usable self-written instructions', prompt_round, len(instructions))
+    instructions = []
+    if round_mix(data_config, prompt_round) == 'chat':
+      instructions = self_written_instructions(
+        target, tokenizer, instructions_dir, data_config, seed=round_seed
+      )
+      logging.info('round %d: %d usable self-written instructions', prompt_round, len(instructions))
     texts = training_texts(
       instructions, data_config, seed=config.seed, prompt_round=prompt_round, exclude=seen
     )
     seen.update(t.lower() for t in texts)
+    if only_round >= 0 and prompt_round != only_round:
+      continue
     prompts = chat_token_prompts(tokenizer, texts, data_config.max_prompt_len)
     kinds = data_lib.generate_greedy_and_sampled(
       target, prompts, round_data_dir, data_config, seed=round_seed, eos=tokenizer.eos_ids
