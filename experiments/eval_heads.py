@@ -7,6 +7,7 @@
 The batch is the one ``train_draft`` logs its ``heldout_*`` metrics on (the config's
 ``eval.heldout_*``: the first sequences of ``greedy/shard_00000``, never trained on), scored by
 the same function: per-depth accuracy, expected chain tau and loss, at the same fixed anchors
+(``--heldout_subdir=round2/greedy``: another directory's first shard, e.g. a later round's)
 (a DSpark head needs its own config, ``draft_smollm2.py:dspark``, for its loss).
 ``--first_tokens=N`` scores only the first ``N`` response tokens of each sequence (0: all of
 them): decoding ``N`` new tokens sees that part of an answer. Every row also has its walk tau:
@@ -191,7 +192,7 @@ def main(argv):
     name: hf_io.load_draft_head(path, target) for name, path in parse_heads(FLAGS.heads).items()
   }
   first_tokens = [int(n) for n in FLAGS.first_tokens]
-  batch = head_trainer.load_heldout_batch(config)
+  batch = head_trainer.load_heldout_batch(config, subdir=FLAGS.heldout_subdir)
   rows = evaluate_heads(config, target, heads, batch, first_tokens, seed=config.seed)
   table = markdown(rows)
   decoded = []
@@ -232,6 +233,9 @@ if __name__ == '__main__':
     'config', 'experiments/configs/draft_smollm2.py', 'The training config (target, data, eval).'
   )
   flags.DEFINE_string('heads', '', 'name=export_dir pairs, comma-separated.')
+  flags.DEFINE_string(
+    'heldout_subdir', 'greedy', "The held-out shards' directory under data.dir (round2/greedy)."
+  )
   flags.DEFINE_list('first_tokens', ['0'], 'Score the first N response tokens (0: all).')
   flags.DEFINE_integer('decode_tokens', 0, 'Also decode the held-out prompts for N tokens.')
   flags.DEFINE_multi_string(

@@ -211,111 +211,112 @@ _TASK_TEMPLATES = (
   'Give me a short {cheer} for {occasion}.',
   'Describe a good {routine}.',
 )
+
+
+def _options(text: str) -> tuple[str, ...]:
+  return tuple(option.strip() for option in text.split(';'))
+
+
 _TASK_SLOTS = dict(
-  concept=(
-    'gravity', 'inflation', 'the stock market', 'vaccines', 'electricity', 'the internet',
-    'a volcano', 'an earthquake', 'the immune system', 'compound interest', 'democracy',
-    'evolution', 'DNA', "the moon's phases", 'tides', 'a solar eclipse', 'machine learning',
-    'encryption', 'supply and demand', 'magnetism', 'sound', 'the Pythagorean theorem',
-    'probability', 'a credit score', 'renewable energy', 'plate tectonics', 'sleep', 'memory',
-    'friction', 'atoms', 'a battery', 'the seasons', 'an algorithm', 'a computer virus',
-    'nuclear energy', 'taxes', 'a refrigerator', 'the human eye', 'interest rates', 'a bicycle gear',
+  concept=_options(
+    'gravity; inflation; the stock market; vaccines; electricity; the internet; a volcano; an '
+    "earthquake; the immune system; compound interest; democracy; evolution; DNA; the moon's "
+    'phases; tides; a solar eclipse; machine learning; encryption; supply and demand; '
+    'magnetism; sound; the Pythagorean theorem; probability; a credit score; renewable energy; '
+    'plate tectonics; sleep; memory; friction; atoms; a battery; the seasons; an algorithm; a '
+    'computer virus; nuclear energy; taxes; a refrigerator; the human eye; interest rates; a '
+    'bicycle gear'
   ),
-  audience=(
-    'a child', 'a teenager', 'a complete beginner', 'my grandmother', 'a new coworker',
-    'a friend who is not technical', 'a class of students',
+  audience=_options(
+    'a child; a teenager; a complete beginner; my grandmother; a new coworker; a friend who is '
+    'not technical; a class of students'
   ),
-  n=('three', 'four', 'five', 'six', 'seven'),
-  activity=(
-    'saving money', 'learning a new language', 'sleeping better', 'public speaking',
-    'writing a resume', 'keeping a houseplant alive', 'running a first 5k', 'cooking on a budget',
-    'working from home', 'making friends in a new city', 'reducing stress',
-    'taking better photos with a phone', 'keeping a kitchen clean', 'learning the guitar',
-    'staying safe online', 'reading more books', 'training a puppy', 'starting a vegetable garden',
-    'traveling on a budget', 'writing clearly', 'managing time at work', 'drinking more water',
-    'giving feedback to a coworker', 'packing light',
+  n=_options('three; four; five; six; seven'),
+  activity=_options(
+    'saving money; learning a new language; sleeping better; public speaking; writing a resume; '
+    'keeping a houseplant alive; running a first 5k; cooking on a budget; working from home; '
+    'making friends in a new city; reducing stress; taking better photos with a phone; keeping '
+    'a kitchen clean; learning the guitar; staying safe online; reading more books; training a '
+    'puppy; starting a vegetable garden; traveling on a budget; writing clearly; managing time '
+    'at work; drinking more water; giving feedback to a coworker; packing light'
   ),
-  goal=(
-    'save energy at home', 'remember names better', 'reduce food waste',
-    'make a long commute more pleasant', 'get better at chess', 'keep a phone battery healthy',
-    'stay productive in the afternoon', 'stay warm in winter without a big heating bill',
-    'organize a closet', 'improve my posture', 'cut down on sugar',
-    'make a small apartment feel bigger', 'spend less time on my phone', 'learn to type faster',
+  goal=_options(
+    'save energy at home; remember names better; reduce food waste; make a long commute more '
+    'pleasant; get better at chess; keep a phone battery healthy; stay productive in the '
+    'afternoon; stay warm in winter without a big heating bill; organize a closet; improve my '
+    'posture; cut down on sugar; make a small apartment feel bigger; spend less time on my '
+    'phone; learn to type faster'
   ),
-  form=('poem', 'story', 'limerick', 'haiku', 'song verse', 'fable', 'diary entry'),
-  subject=(
-    'a lost umbrella', 'autumn leaves', 'a city at dawn', 'a cat who wants to fly', 'friendship',
-    'a rainy afternoon', 'a robot learning to cook', 'the first day of school', 'an old bicycle',
-    'a dragon who is afraid of the dark', 'a busy train station', 'a garden in spring',
-    'the last day of summer', 'a kind neighbor', 'a snowy village',
+  form=_options('poem; story; limerick; haiku; song verse; fable; diary entry'),
+  subject=_options(
+    'a lost umbrella; autumn leaves; a city at dawn; a cat who wants to fly; friendship; a '
+    'rainy afternoon; a robot learning to cook; the first day of school; an old bicycle; a '
+    'dragon who is afraid of the dark; a busy train station; a garden in spring; the last day '
+    'of summer; a kind neighbor; a snowy village'
   ),
-  pair=(
-    'a virus and a bacterium', 'a stock and a bond', 'a lake and a pond',
-    'a crocodile and an alligator', 'RAM and storage', 'a hurricane and a tornado',
-    'baking soda and baking powder', 'renting and buying a home', 'HTTP and HTTPS',
-    'a laptop and a tablet', 'fiction and nonfiction', 'a simile and a metaphor',
-    'mitosis and meiosis', 'speed and velocity', 'a debit card and a credit card',
-    'a set and a dictionary in Python', 'a city and a town',
+  pair=_options(
+    'a virus and a bacterium; a stock and a bond; a lake and a pond; a crocodile and an '
+    'alligator; RAM and storage; a hurricane and a tornado; baking soda and baking powder; '
+    'renting and buying a home; HTTP and HTTPS; a laptop and a tablet; fiction and nonfiction; '
+    'a simile and a metaphor; mitosis and meiosis; speed and velocity; a debit card and a '
+    'credit card; a set and a dictionary in Python; a city and a town'
   ),
-  things=(
-    'fruits that are high in vitamin C', 'indoor plants that are easy to care for',
-    'board games for a family night', 'famous painters', 'countries in South America',
-    'ways to reuse glass jars', 'questions to ask at the end of a meeting', 'classic novels',
-    'exercises you can do without equipment', 'hobbies that cost little money',
-    'programming languages and what they are used for', 'animals that live in the desert',
-    'things to do on a rainy day', 'inventions that changed the world', 'easy dinner recipes',
-    'ways to be kind to a stranger',
+  things=_options(
+    'fruits that are high in vitamin C; indoor plants that are easy to care for; board games '
+    'for a family night; famous painters; countries in South America; ways to reuse glass jars; '
+    'questions to ask at the end of a meeting; classic novels; exercises you can do without '
+    'equipment; hobbies that cost little money; programming languages and what they are used '
+    'for; animals that live in the desert; things to do on a rainy day; inventions that changed '
+    'the world; easy dinner recipes; ways to be kind to a stranger'
   ),
-  topic=(
-    'the history of the printing press', 'how bees make honey', 'the life cycle of a butterfly',
-    'the French Revolution', 'how a bill becomes a law', 'the story of Romeo and Juliet',
-    'the rules of soccer', 'how the heart pumps blood', 'the causes of the First World War',
-    'how a car engine works', 'the plot of Cinderella', 'how recycling works',
-    'the history of the Olympic Games', 'how coffee is grown', 'how a bank loan works',
+  topic=_options(
+    'the history of the printing press; how bees make honey; the life cycle of a butterfly; the '
+    'French Revolution; how a bill becomes a law; the story of Romeo and Juliet; the rules of '
+    'soccer; how the heart pumps blood; the causes of the First World War; how a car engine '
+    'works; the plot of Cinderella; how recycling works; the history of the Olympic Games; how '
+    'coffee is grown; how a bank loan works'
   ),
-  tone=('polite', 'friendly', 'formal', 'short'),
-  purpose=(
-    'asking my manager for a day off', 'thanking a teacher', 'inviting neighbors to a barbecue',
-    'asking a landlord to fix a leaking tap', 'declining a meeting invitation',
-    'apologizing for missing a deadline', 'welcoming a new team member',
-    'asking a friend to return a borrowed book', 'requesting a refund for a broken kettle',
-    'telling a club that I am stepping down as treasurer',
+  tone=_options('polite; friendly; formal; short'),
+  purpose=_options(
+    'asking my manager for a day off; thanking a teacher; inviting neighbors to a barbecue; '
+    'asking a landlord to fix a leaking tap; declining a meeting invitation; apologizing for '
+    'missing a deadline; welcoming a new team member; asking a friend to return a borrowed '
+    'book; requesting a refund for a broken kettle; telling a club that I am stepping down as '
+    'treasurer'
   ),
-  business=(
-    'a bicycle repair shop', 'a dog walking service', 'a small bookstore', 'a flower shop',
-    'a taco truck', 'a yoga studio', 'a tutoring service', 'a coffee cart', 'an online plant shop',
-    'a house cleaning company',
+  business=_options(
+    'a bicycle repair shop; a dog walking service; a small bookstore; a flower shop; a taco '
+    'truck; a yoga studio; a tutoring service; a coffee cart; an online plant shop; a house '
+    'cleaning company'
   ),
-  howto=(
-    'boil an egg', 'iron a shirt', 'tie a tie', 'clean a cast iron pan', 'plant a tree',
-    'fix a flat bicycle tire', 'wash a wool sweater', 'sharpen a kitchen knife',
-    'back up my computer', 'bake bread at home', 'cook rice on the stove', 'paint a room',
+  howto=_options(
+    'boil an egg; iron a shirt; tie a tie; clean a cast iron pan; plant a tree; fix a flat '
+    'bicycle tire; wash a wool sweater; sharpen a kitchen knife; back up my computer; bake '
+    'bread at home; cook rice on the stove; paint a room'
   ),
-  why=(
-    'do cats purr', 'do leaves change color in autumn', 'is the ocean salty', 'do we dream',
-    'do onions make us cry', 'does ice float', 'do we get hiccups', 'do birds migrate',
-    'is exercise good for the brain', 'does bread go stale', 'do we yawn',
-    'do some people need glasses',
+  why=_options(
+    'do cats purr; do leaves change color in autumn; is the ocean salty; do we dream; do onions '
+    'make us cry; does ice float; do we get hiccups; do birds migrate; is exercise good for the '
+    'brain; does bread go stale; do we yawn; do some people need glasses'
   ),
-  code_concept=(
-    'a dictionary', 'a for loop', 'a list comprehension', 'exceptions', 'a class', 'a decorator',
-    'a generator', 'f-strings', 'a while loop', 'default arguments', 'the with statement',
-    'sorting with a key function', 'slicing', 'modules and imports', 'a lambda',
+  code_concept=_options(
+    'a dictionary; a for loop; a list comprehension; exceptions; a class; a decorator; a '
+    'generator; f-strings; a while loop; default arguments; the with statement; sorting with a '
+    'key function; slicing; modules and imports; a lambda'
   ),
-  event=(
-    'a day at the beach', 'a picnic in the park', 'a long flight', 'a first day at a new job',
-    'a ski trip', 'a music festival', 'a road trip', 'a business conference',
-    "a child's birthday party", 'moving into a new apartment',
+  event=_options(
+    'a day at the beach; a picnic in the park; a long flight; a first day at a new job; a ski '
+    "trip; a music festival; a road trip; a business conference; a child's birthday party; "
+    'moving into a new apartment'
   ),
-  cheer=('motivational message', 'word of encouragement', 'pep talk', 'congratulations note'),
-  occasion=(
-    'a friend running a marathon', 'a student before final exams',
-    'a colleague starting a new project', 'someone learning to drive', 'my sister who graduated',
-    'a team before a big game',
+  cheer=_options('motivational message; word of encouragement; pep talk; congratulations note'),
+  occasion=_options(
+    'a friend running a marathon; a student before final exams; a colleague starting a new '
+    'project; someone learning to drive; my sister who graduated; a team before a big game'
   ),
-  routine=(
-    'evening routine', 'weekly cleaning routine', 'routine for a productive workday',
-    'bedtime routine for a toddler', 'stretching routine for people who sit all day',
+  routine=_options(
+    'evening routine; weekly cleaning routine; routine for a productive workday; bedtime '
+    'routine for a toddler; stretching routine for people who sit all day'
   ),
 )
 

@@ -82,8 +82,21 @@ def test_later_rounds_repeat_no_text_or_coding_task():
 
 # The topic of each of EVAL_CHAT_INSTRUCTIONS, in its order: no training task request names one.
 EVAL_CHAT_TOPICS = (
-  'studying', 'black hole', 'the sea', 'tuple', 'water cycle', 'bakery', 'tea', 'report',
-  'photosynthesis', 'breakfast', 'climate', 'morning', 'hiking', 'recursion', 'sky',
+  'studying',
+  'black hole',
+  'the sea',
+  'tuple',
+  'water cycle',
+  'bakery',
+  'tea',
+  'report',
+  'photosynthesis',
+  'breakfast',
+  'climate',
+  'morning',
+  'hiking',
+  'recursion',
+  'sky',
   'interview',
 )
 

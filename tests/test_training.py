@@ -455,6 +455,7 @@ def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
   config.data.update(sampled_every=4, shard_size=8, top_p=1.0)
   config.eval.update(heldout_shards=1, heldout_sequences=4, heldout_anchors=8, heldout_every=5)
   config.eval.update(num_prompts=1, max_new_tokens=8)
+  config.eval.heldout_subdirs = ('sampled', 'round2/greedy')  # a second set; one not there
   config.train.update(steps=10, log_every=5, checkpoint_every=10)
   train_lib.train_and_evaluate(config, str(tmp_path))
   shards = sorted(p.relative_to(tmp_path / 'data').as_posix() for p in tmp_path.rglob('*.npz'))
@@ -464,6 +465,8 @@ def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
   assert len(copy['accuracy']) == config.head.block_size - 1 and copy['expected_tau'] >= 1.0
   last = json.loads((tmp_path / 'metrics.jsonl').read_text().splitlines()[-1])
   assert last['step'] == 10 and 0.0 <= last['heldout_accuracy/depth1'] <= 1.0
+  assert 0.0 <= last['heldout_sampled_accuracy/depth1'] <= 1.0
+  assert not any(k.startswith('heldout_round2') for k in last)
   # experiments/eval_heads.py scores the exported head on the same batch and anchors as the log,
   # and decodes the held-out prompts into the stored greedy responses.
   target = train_lib.load_target_from_config(config.target)
@@ -483,6 +486,21 @@ def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
     target, heads, batch, max_new_tokens=6, method=js.methods.Chain()
   )
   assert decoded['equal_to_stored'] == decoded['sequences'] == 4 and decoded['tau'] >= 1.0
+
+
+def test_heldout_subdirs_are_those_of_the_rounds_read(tmp_path):
+  for rel in ('greedy', 'round1/greedy', 'round2/greedy', 'round3/sampled'):
+    (tmp_path / rel).mkdir(parents=True)
+    (tmp_path / rel / 'shard_00000.npz').touch()
+  config = ml_collections.ConfigDict(
+    dict(
+      data=dict(dir=str(tmp_path), prompt_rounds=2),
+      eval=dict(heldout_subdirs=('round1/greedy', 'round2/greedy', 'round4/greedy')),
+    )
+  )
+  assert train_lib.heldout_subdirs(config) == ['round1/greedy']
+  config.data.prompt_rounds = 3
+  assert train_lib.heldout_subdirs(config) == ['round1/greedy', 'round2/greedy']
 
 
 def test_eval_heads_flags_and_methods():

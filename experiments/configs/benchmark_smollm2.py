@@ -21,6 +21,11 @@ the share of accepted drafts that only the copy branch held), T=0 and T=1, batch
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:copy \
       --workdir=benchmarks/smollm2_135m_copy
 
+Tau per prompt group on 16 prompts of each group (48 in all; greedy, chains and best_first trees
+of 8 and 16 nodes, with and without 4 copy candidates), for one head (``heads.jetspec``):
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:groups \
+      --workdir=benchmarks/smollm2_135m_groups
+
 The shipped JetSpec head on whole responses (up to 256 new tokens instead of the first 48; T=0,
 chains and trees of 8 and 16 nodes, with and without copy candidates):
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:long \
@@ -237,6 +242,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.tree_algorithms = ('best_first',)
     config.copy_lens = (0,)
     config.round_cost_settings = ('tree/jetspec/best_first/8', 'tree/steps1600/best_first/8')
+  if arg == 'groups':  # tau per prompt group on 16 prompts each (the main table has 3), T=0
+    config.heads = ml_collections.ConfigDict(
+      dict(jetspec='assets/jetspec_head_smollm2_135m')  # --config.heads.jetspec=<an export>
+    )
+    config.num_per_group = 16
+    config.budgets = (8, 16)
+    config.tree_algorithms = ('best_first',)
+    config.copy_lens = (0, 4)
+    config.temperatures = (0.0,)
+    config.peers = ()
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
     config.budgets = (8, 16, 32)
     config.tree_algorithms = ('accum_logp',)

@@ -140,6 +140,9 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
   # Held-out teacher-forced metrics, logged beside the training ones: the first 32 sequences of
   # greedy/shard_00000 (the first shard of each data directory is never trained on).
   config.eval.update(heldout_shards=1, heldout_sequences=32, heldout_anchors=64, heldout_every=100)
+  # Also held out, when a run reads round 2 (prompt_rounds >= 3): the first 32 sequences of
+  # round2/greedy/shard_00000, the 'tasks' mix, logged as heldout_round2_greedy_*.
+  config.eval.heldout_subdirs = ('round2/greedy',)
   if arg == 'dspark':
     # DSpark: a bidirectional backbone whose anchor slot predicts too, so block 7 drafts 7 tokens
     # like the other heads' block 8; Markov rank 256 and the loss weights exp(-k/4) of the

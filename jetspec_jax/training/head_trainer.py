@@ -560,9 +560,10 @@ def make_heldout_eval(
   settings: StepSettings,
   draft_vocab=None,
   seed: int = 0,
+  prefix: str = 'heldout_',
 ):
   """``params -> metrics``: teacher-forced loss, per-depth accuracy and expected chain tau of
-  the head on a fixed held-out ``batch`` (same anchors every call), named ``heldout_*``."""
+  the head on a fixed held-out ``batch`` (same anchors every call), named ``{prefix}*``."""
   key = jax.random.key(seed)
   vocab = None if draft_vocab is None else jnp.asarray(draft_vocab, jnp.int32)
   batch = jax.tree.map(jnp.asarray, dict(batch))
@@ -574,14 +575,14 @@ def make_heldout_eval(
 
   def evaluate(params):
     metrics = sharding.to_host(run(params, target.params, vocab))
-    return {f'heldout_{k}': v for k, v in metrics.items()}
+    return {prefix + k: v for k, v in metrics.items()}
 
   return evaluate
 
 
-def load_heldout_batch(config, data_dir=None) -> dict:
+def load_heldout_batch(config, data_dir=None, subdir: str = 'greedy') -> dict:
   """The fixed held-out batch: the first ``eval.heldout_sequences`` sequences of the first
-  ``eval.heldout_shards`` shards of ``greedy/`` (never trained on: training skips them), with
+  ``eval.heldout_shards`` shards of ``subdir`` (never trained on: training skips them), with
   their features and, for ``train.labels='target_argmax'``, the target's argmax labels."""
   heldout = data_lib.TokenShards(
     epath.Path(data_dir or config.data.dir),
@@ -589,13 +590,26 @@ def load_heldout_batch(config, data_dir=None) -> dict:
     shards_per_dir=config.eval.heldout_shards,
     features_dir=config.data.get('features_dir') or None,
     target_labels=config.train.get('labels', 'data') == 'target_argmax',
-    subdir='greedy',
+    subdir=subdir,
   )
   n = min(len(heldout), config.eval.get('heldout_sequences', 32))
   items = [heldout[i] for i in range(n)]
   batch = {k: np.stack([item[k] for item in items]) for k in items[0]}
   batch['index'] = np.arange(n, dtype=np.int32)
   return batch
+
+
+def heldout_subdirs(config, data_dir=None) -> list[str]:
+  """The directories of ``eval.heldout_subdirs`` (beside ``greedy/``) that hold shards of the
+  prompt rounds a run reads (``data.prompt_rounds``)."""
+  data_dir = epath.Path(data_dir or config.data.dir)
+  rounds = config.data.get('prompt_rounds')
+  out = []
+  for subdir in config.eval.get('heldout_subdirs', ()):
+    paths = data_lib.shard_paths(data_dir / subdir)
+    if paths and (rounds is None or data_lib.prompt_round_of(paths[0], data_dir) < rounds):
+      out.append(subdir)
+  return out
 
 
 def first_response_tokens(batch: dict, n: int) -> dict:
@@ -906,14 +920,30 @@ def train_and_evaluate(config, workdir: str) -> dict:
   evaluate = None
   if heldout_shards:  # the first shards of greedy/, never trained on (skip_per_dir above)
     heldout_batch = load_heldout_batch(config, data_dir)
-    evaluate = make_heldout_eval(
-      target,
-      head_cfg,
-      heldout_batch,
-      dataclasses.replace(settings, num_anchors=config.eval.get('heldout_anchors', 64)),
-      draft_vocab,
-      seed=config.seed,
+    heldout_settings = dataclasses.replace(
+      settings, num_anchors=config.eval.get('heldout_anchors', 64)
     )
+    evaluators = [
+      make_heldout_eval(
+        target, head_cfg, heldout_batch, heldout_settings, draft_vocab, seed=config.seed
+      )
+    ]
+    # More held-out sets (e.g. a later prompt round's), logged as heldout_<subdir>_*: only
+    # those of the rounds this run reads, whose features the cache holds.
+    for subdir in heldout_subdirs(config, data_dir):
+      evaluators.append(
+        make_heldout_eval(
+          target,
+          head_cfg,
+          load_heldout_batch(config, data_dir, subdir),
+          heldout_settings,
+          draft_vocab,
+          seed=config.seed,
+          prefix=f'heldout_{subdir.replace("/", "_")}_',
+        )
+      )
+      logging.info('also held out: the first shard of %s', subdir)
+    evaluate = lambda params: {k: v for e in evaluators for k, v in e(params).items()}
     # What the head must beat on the same sequences: copying from the context.
     copy = copy_baseline.copy_metrics(heldout_batch, block_size=head_cfg.block_size)
     logging.info(
