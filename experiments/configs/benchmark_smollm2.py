@@ -112,10 +112,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.batch_temperatures = (0.0,)
     config.batch_settings = ('ar', 'tree/jetspec/best_first/8', 'tree/jetspec/best_first/16')
   if arg == 'dspark':
-    # DSpark against JetSpec (same data and steps when it ran: 3,376 sequences, 800 steps; since
-    # session 48 the shipped JetSpec head has 4,928 and 1,600, DSpark not yet): the JetSpec head's
-    # fastest CPU settings (trees of 8 nodes, with and without 4 copy candidates) beside DSpark's
-    # chain verified whole (threshold 0), cut by its confidences (0.3) and by its scheduler.
+    # DSpark against JetSpec (the shipped heads: 1,600 steps on round 0, DSpark without greedy
+    # 57-58, its calibration shards; re-run in session 50): the JetSpec head's fastest CPU
+    # settings (trees of 8 nodes, with and without 4 copy candidates) beside DSpark's chain
+    # verified whole (threshold 0), cut by its confidences (0.3) and by its scheduler.
     config.heads = ml_collections.ConfigDict(
       dict(
         jetspec='assets/jetspec_head_smollm2_135m',
