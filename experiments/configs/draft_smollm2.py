@@ -158,6 +158,8 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     # clean blocks and 8 second blocks after them (2 in-round refine passes, 2 noisy-context
     # blocks, 4 next-round refine blocks: head_trainer.second_block_outputs), plus the
     # consistency term on the in-round pairs.
+    # copy_seed=0: the shipped head; --config.head.copy_seed=3 seeds the slots its recycled
+    # guesses leave empty with copy candidates (not trained yet)
     config.head.update(refine=True, copy_seed=0)
     config.eval.method = ml_collections.ConfigDict(dict(name='jetspecpp', budget=32, width=7))
   if arg == 'tiny':  # a smoke test of the pipeline (tests)

@@ -7,9 +7,10 @@ guess for positions ``P'+1 .. P+D``: the **pre-draft** of the next block, made w
 tree was being built and verified, at no extra cost. A JetSpec++ head (``DraftHeadConfig.refine``)
 reads those guesses in its slots (``embed(token) + draft_embed``) instead of MASK, with the
 committed context's features now including the accepted tokens, and outputs **refined**
-per-depth logits; slots with no guess stay MASK. Optionally ``refine_passes`` more passes feed the
-block its own rank-1 trunk (in-round Jacobi refinement). The refined trunk becomes the guesses of
-the next round.
+per-depth logits; slots with no guess stay MASK, or, for a copy-seeded head
+(``DraftHeadConfig.copy_seed``), take the context's copy candidates. Optionally
+``refine_passes`` more passes feed the block its own rank-1 trunk (in-round Jacobi refinement).
+The refined trunk becomes the guesses of the next round.
 
 Lossless: the tree verified in a round is a deterministic function of the committed prefix and
 of draft-side state (earlier drafts), never of the target's choices in this round, and it is
@@ -82,6 +83,9 @@ def draft(
   guesses = realign(state.guesses, state.num_pending)  # the last round committed num_pending
   if not recycle:
     guesses = jnp.full_like(guesses, NO_GUESS)
+  copy = tree_method.copy_seed_guesses(head, state)  # a copy-seeded head: the empty slots
+  if copy is not None:
+    guesses = jnp.where(guesses == NO_GUESS, copy, guesses)
   logits = refined_logits(target, head, draft_cache, state.anchor, guesses, refine_passes)
   return draft_cache, guesses, logits
 

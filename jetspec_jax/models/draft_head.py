@@ -67,11 +67,12 @@ class DraftHeadConfig:
     refine: a JetSpec++ head (:mod:`jetspec_jax.methods.jetspecpp`): causal, and its draft slots may
       hold *guessed* tokens instead of MASK (embedded as ``embed(token) + draft_embed``, one
       learned vector marking a token as unverified); with every slot MASK it is a JetSpec head.
-    copy_seed: ``> 0`` seeds a JetSpec or DFlash-style head's draft slots with *copy
+    copy_seed: ``> 0`` seeds a JetSpec, DFlash-style or JetSpec++ head's draft slots with *copy
       candidates*: the continuation of the latest longest match (up to ``copy_seed`` tokens) of
       the context's suffix (:func:`jetspec_jax.prompt_lookup.seed_guesses`), read as guessed
       tokens (``embed(token) + draft_embed``); slots the copy cannot fill stay MASK. The head
-      learns when to keep the copy and when to overrule it; trained and drafted the same way.
+      learns when to keep the copy and when to overrule it; trained and drafted the same way. A
+      JetSpec++ head takes copy candidates only in the slots its recycled guesses leave empty.
   """
 
   hidden_size: int
@@ -112,10 +113,8 @@ class DraftHeadConfig:
       raise ValueError('a JetSpec++ head (refine=True) is causal and has no Markov stage')
     if self.copy_seed < 0:
       raise ValueError(f'{self.copy_seed=} must be >= 0')
-    if self.copy_seed and (self.markov_rank or self.refine):
-      raise ValueError(
-        'copy_seed is for JetSpec and DFlash-style heads (no refine, no Markov stage)'
-      )
+    if self.copy_seed and self.markov_rank:
+      raise ValueError('copy_seed is for heads without a Markov stage (not DSpark)')
 
   @property
   def num_taps(self) -> int:

@@ -132,14 +132,20 @@ def copy_seeded_blocks(clean: Blocks, tokens: Int[Array, ' L'], max_ngram: int) 
   """The blocks of a copy-seeded head (``DraftHeadConfig.copy_seed``): slot ``i`` of the block
   anchored at ``a`` holds the ``i``-th token of the context's copy candidates
   (:func:`jetspec_jax.prompt_lookup.seed_guesses` over ``x_0 .. x_a``, exactly what drafting
-  reads at inference), flagged ``guessed``; slots the copy cannot fill stay MASK. Targets,
-  validity and masks are the clean block's: the copy comes from tokens at or before the anchor,
-  so no label leaks in."""
+  reads at inference), flagged ``guessed``; slots the copy cannot fill stay MASK. Slots that
+  already hold a guess (JetSpec++ refine and noisy blocks) keep it, as
+  :func:`jetspec_jax.methods.jetspecpp.draft` fills only the slots its recycled guesses leave
+  empty. Targets, validity and masks are the clean block's: the copy comes from tokens at or
+  before the anchor, so no label leaks in."""
   depth = clean.tokens.shape[1] - 1
   seed = lambda a: prompt_lookup.seed_guesses(tokens, a, max_ngram=max_ngram, depth=depth)
   guesses = jnp.where(clean.keep[:, None], jax.vmap(seed)(clean.anchors), -1)
-  tokens, guessed = draft_head.fill_slots(clean.tokens, guesses)
-  return clean._replace(tokens=tokens, guessed=guessed)
+  if clean.guessed is not None:  # JetSpec++ blocks: only the slots without a guess
+    guesses = jnp.where(clean.guessed[:, 1:], -1, guesses)
+  filled, guessed = draft_head.fill_slots(clean.tokens, guesses)
+  if clean.guessed is not None:
+    guessed = guessed | clean.guessed
+  return clean._replace(tokens=filled, guessed=guessed)
 
 
 def refine_blocks(

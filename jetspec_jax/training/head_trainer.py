@@ -249,6 +249,7 @@ def sequence_sums(
     block_size=span,
     mask_token_id=head_cfg.mask_token_id,
   )
+  unseeded = blk  # JetSpec++ builds its second blocks from the MASK blocks, then seeds them
   if head_cfg.copy_seed:  # slots hold the context's copy candidates, as drafting feeds them
     blk = blocks_lib.copy_seeded_blocks(blk, tokens, head_cfg.copy_seed)
 
@@ -281,7 +282,7 @@ def sequence_sums(
   # JetSpec++: half the anchors are clean blocks, each followed by a second block seeded with
   # the clean block's own draft (no gradient through the seed): see second_block_outputs.
   second, second_out = second_block_outputs(
-    head_cfg, tokens, loss_mask, length, blk, out, key, outputs, project, draft_vocab
+    head_cfg, tokens, loss_mask, length, unseeded, out, key, outputs, project, draft_vocab
   )
   refined = sums_of(second, second_out)
   # Consistency (XPress-style, docs/training.md §6): plain MASK drafting is pulled toward the
@@ -328,9 +329,10 @@ def second_block_outputs(
   project,
   draft_vocab=None,
 ):
-  """The JetSpec++ second blocks after ``clean`` blocks whose head outputs are ``out``, and their
-  head outputs (``outputs(blocks)``; ``project`` scores outputs over the draft vocabulary
-  ``draft_vocab``, None: all ids). By :func:`second_block_kinds`:
+  """The JetSpec++ second blocks after ``clean`` blocks (MASK slots) whose head outputs are
+  ``out``, and their head outputs (``outputs(blocks)``; ``project`` scores outputs over the draft
+  vocabulary ``draft_vocab``, None: all ids); a copy-seeded head's slots left without a guess
+  then take the copy candidates at their anchor. By :func:`second_block_kinds`:
 
   * ``'next_round'``: the block the next round drafts, anchored where the clean block's greedy
     chain stops and seeded with its leftover draft (:func:`blocks_lib.refine_blocks`);
@@ -366,6 +368,8 @@ def second_block_outputs(
     refine = jax.tree.map(
       lambda a, b: jnp.where(is_noisy.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), noisy, refine
     )
+  if head_cfg.copy_seed:  # the slots still without a guess take the copy candidates
+    refine = blocks_lib.copy_seeded_blocks(refine, tokens, head_cfg.copy_seed)
   return refine, outputs(refine)
 
 
