@@ -55,6 +55,31 @@ def test_round0_reproduces_the_committed_shards(config):
     assert [list(p) for p in made] == stored, kind
 
 
+def test_round2_reproduces_its_committed_shards(config):
+  """The 'tasks' round's committed shards answer the prompts its plan makes after rounds 0-1."""
+  tokenizer = chat_data.tokenizer_for(config.target)
+  seen = set()
+  for prompt_round, folder in ((0, 'instructions'), (1, 'instructions_round1')):
+    instructions = chat_data.instructions_from_shards(
+      sorted((DATA / folder).glob('shard_*.npz')), tokenizer
+    )
+    texts = chat_data.training_texts(
+      instructions, config.data, seed=config.seed, prompt_round=prompt_round, exclude=seen
+    )
+    seen.update(t.lower() for t in texts)
+  texts = chat_data.training_texts([], config.data, seed=config.seed, prompt_round=2, exclude=seen)
+  for kind in ('greedy', 'sampled'):
+    shard = np.load(DATA / 'data' / 'round2' / kind / 'shard_00000.npz')
+    stored = [
+      list(tokens[: int(np.argmax(mask > 0))])
+      for tokens, mask in zip(shard['tokens'], shard['loss_mask'])
+    ]
+    made = first_prompts(
+      tokenizer, texts, config.data.max_prompt_len, config.data.sampled_every, kind, len(stored)
+    )
+    assert [list(p) for p in made] == stored, kind
+
+
 def test_later_rounds_repeat_no_text_or_coding_task():
   data = ml_collections.ConfigDict(
     dict(num_coding=40, num_math=60, validation_modules=corpus.VALIDATION_MODULES)
