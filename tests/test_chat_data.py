@@ -37,22 +37,27 @@ def first_prompts(tokenizer, texts, max_len, every, kind, count):
   return out
 
 
+def assert_first_shards_answer(tokenizer, texts, data_config, data_dir):
+  """The first greedy and sampled shards under ``data_dir`` hold the prompts ``texts`` make."""
+  for kind in ('greedy', 'sampled'):
+    shard = np.load(data_dir / kind / 'shard_00000.npz')
+    stored = [
+      list(tokens[: int(np.argmax(mask > 0))])
+      for tokens, mask in zip(shard['tokens'], shard['loss_mask'])
+    ]
+    made = first_prompts(
+      tokenizer, texts, data_config.max_prompt_len, data_config.sampled_every, kind, len(stored)
+    )
+    assert [list(p) for p in made] == stored, kind
+
+
 def test_round0_reproduces_the_committed_shards(config):
   tokenizer = chat_data.tokenizer_for(config.target)
   instructions = chat_data.instructions_from_shards(
     sorted((DATA / 'instructions').glob('shard_*.npz')), tokenizer
   )
   texts = chat_data.training_texts(instructions, config.data, seed=config.seed)
-  for kind in ('greedy', 'sampled'):
-    shard = np.load(DATA / 'data' / kind / 'shard_00000.npz')
-    stored = [
-      list(tokens[: int(np.argmax(mask > 0))])
-      for tokens, mask in zip(shard['tokens'], shard['loss_mask'])
-    ]
-    made = first_prompts(
-      tokenizer, texts, config.data.max_prompt_len, config.data.sampled_every, kind, len(stored)
-    )
-    assert [list(p) for p in made] == stored, kind
+  assert_first_shards_answer(tokenizer, texts, config.data, DATA / 'data')
 
 
 def test_round2_reproduces_its_committed_shards(config):
@@ -68,16 +73,7 @@ def test_round2_reproduces_its_committed_shards(config):
     )
     seen.update(t.lower() for t in texts)
   texts = chat_data.training_texts([], config.data, seed=config.seed, prompt_round=2, exclude=seen)
-  for kind in ('greedy', 'sampled'):
-    shard = np.load(DATA / 'data' / 'round2' / kind / 'shard_00000.npz')
-    stored = [
-      list(tokens[: int(np.argmax(mask > 0))])
-      for tokens, mask in zip(shard['tokens'], shard['loss_mask'])
-    ]
-    made = first_prompts(
-      tokenizer, texts, config.data.max_prompt_len, config.data.sampled_every, kind, len(stored)
-    )
-    assert [list(p) for p in made] == stored, kind
+  assert_first_shards_answer(tokenizer, texts, config.data, DATA / 'data' / 'round2')
 
 
 def test_later_rounds_repeat_no_text_or_coding_task():

@@ -140,12 +140,9 @@ def copy_seeded_blocks(clean: Blocks, tokens: Int[Array, ' L'], max_ngram: int) 
   depth = clean.tokens.shape[1] - 1
   seed = lambda a: prompt_lookup.seed_guesses(tokens, a, max_ngram=max_ngram, depth=depth)
   guesses = jnp.where(clean.keep[:, None], jax.vmap(seed)(clean.anchors), -1)
-  if clean.guessed is not None:  # JetSpec++ blocks: only the slots without a guess
-    guesses = jnp.where(clean.guessed[:, 1:], -1, guesses)
-  filled, guessed = draft_head.fill_slots(clean.tokens, guesses)
-  if clean.guessed is not None:
-    guessed = guessed | clean.guessed
-  return clean._replace(tokens=filled, guessed=guessed)
+  had = jnp.zeros(clean.tokens.shape, bool) if clean.guessed is None else clean.guessed
+  filled, guessed = draft_head.fill_slots(clean.tokens, jnp.where(had[:, 1:], -1, guesses))
+  return clean._replace(tokens=filled, guessed=guessed | had)
 
 
 def refine_blocks(

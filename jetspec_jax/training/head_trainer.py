@@ -927,26 +927,20 @@ def train_and_evaluate(config, workdir: str) -> dict:
     heldout_settings = dataclasses.replace(
       settings, num_anchors=config.eval.get('heldout_anchors', 64)
     )
-    evaluators = [
-      make_heldout_eval(
-        target, head_cfg, heldout_batch, heldout_settings, draft_vocab, seed=config.seed
-      )
-    ]
     # More held-out sets (e.g. a later prompt round's), logged as heldout_<subdir>_*: only
     # those of the rounds this run reads, whose features the cache holds.
-    for subdir in heldout_subdirs(config, data_dir):
-      evaluators.append(
-        make_heldout_eval(
-          target,
-          head_cfg,
-          load_heldout_batch(config, data_dir, subdir),
-          heldout_settings,
-          draft_vocab,
-          seed=config.seed,
-          prefix=f'heldout_{subdir.replace("/", "_")}_',
-        )
+    extra = heldout_subdirs(config, data_dir)
+    if extra:
+      logging.info('also held out: the first shard of each of %s', extra)
+    heldout_sets = [(heldout_batch, 'heldout_')] + [
+      (load_heldout_batch(config, data_dir, d), f'heldout_{d.replace("/", "_")}_') for d in extra
+    ]
+    evaluators = [
+      make_heldout_eval(
+        target, head_cfg, b, heldout_settings, draft_vocab, seed=config.seed, prefix=prefix
       )
-      logging.info('also held out: the first shard of %s', subdir)
+      for b, prefix in heldout_sets
+    ]
     evaluate = lambda params: {k: v for e in evaluators for k, v in e(params).items()}
     # What the head must beat on the same sequences: copying from the context.
     copy = copy_baseline.copy_metrics(heldout_batch, block_size=head_cfg.block_size)
