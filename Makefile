@@ -33,12 +33,7 @@ demo: $(RUNTIME)
 test: $(DEV)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -n 2 -m "not slow" --durations=15 --ignore=$(OWN_PROCESS)
-	$(PY) -m pytest -m "not slow" $(OWN_PROCESS)
-
-# Run in a process of their own: three full-suite runs (sessions 50-51) lost a worker to a
-# segfault inside XLA's CPU compiler in this module, never when it ran alone.
-OWN_PROCESS = tests/test_training_guards.py
+	$(PY) -m pytest -n 2 -m "not slow" --durations=15
 
 # The cases marked slow (pyproject.toml): the Qwen3-8B memory plan and the Mosaic kernels under a
 # 4-device mesh, left out of the default suite to keep it near 25 minutes on 2 cores.
