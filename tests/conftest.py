@@ -2,6 +2,7 @@
 target, prompts and AR outputs (a module that defines its own fixture of the same name uses
 that one)."""
 
+import gc
 import os
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -22,6 +23,17 @@ import pytest  # noqa: E402
 import jetspec_jax as js  # noqa: E402
 
 VOCAB = 17  # small, so random heads' drafts are often accepted and commits are exercised
+
+
+@pytest.fixture(scope='module', autouse=True)
+def release_compiled_programs():
+  """Drops JAX's compiled programs after each module. Every XLA CPU executable keeps memory
+  mappings of its own; a pytest-xdist worker that ran half the suite held ~65,000 of them (Linux's
+  default ``vm.max_map_count`` is 65,530, measured), and the next compile then died in a
+  segfault. Modules share no compiled programs worth keeping (their fixtures are module-scoped)."""
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture(scope='module')
