@@ -153,6 +153,7 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
     'best_first',
     'best_first_budgets',
     'steps',
+    'rounds',
     'quick',
   ],
 )

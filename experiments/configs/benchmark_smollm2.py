@@ -65,6 +65,12 @@ DFlash-style head, JetSpec++), T=0, chains and trees of 16 nodes, with and witho
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:equal_data \
       --workdir=benchmarks/smollm2_135m_equal_data
 
+The JetSpec head fine-tuned on prompt rounds 0-2 (2.0M response tokens; from the shipped head,
+600 steps, assets/README.md) beside the shipped head, 8 prompts per group, T=0, chains and
+best_first trees of 8 and 16 nodes, with and without 4 copy candidates:
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:rounds \
+      --workdir=benchmarks/smollm2_135m_rounds
+
 Held-out chat-formatted prompts in three groups (code: HumanEval as a request; chat:
 ``EVAL_CHAT_INSTRUCTIONS``; math: ``EVAL_MATH_TEMPLATES``), disjoint from the heads' training
 prompts; decoding stops at the tokenizer's stop ids. The peer is transformers' own ``generate``
@@ -72,6 +78,20 @@ prompts; decoding stops at the tokenizer's stop ids. The peer is transformers' o
 """
 
 import ml_collections
+
+
+def greedy_comparison(
+  config, heads: dict, *, num_per_group: int, budgets, tree_algorithm: str, copy_lens
+) -> None:
+  """Sets ``config`` to compare ``heads`` (name -> export) at T=0 on chains and trees of
+  ``budgets`` nodes, with each of ``copy_lens`` copy candidates, and no peers."""
+  config.heads = ml_collections.ConfigDict(heads)
+  config.num_per_group = num_per_group
+  config.budgets = tuple(budgets)
+  config.tree_algorithms = (tree_algorithm,)
+  config.copy_lens = tuple(copy_lens)
+  config.temperatures = (0.0,)
+  config.peers = ()
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -171,47 +191,37 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       'tree/jetspec/accum_logp/8/copy4',
     )
   if arg == 'recipe':  # a head of the new recipe (issue 28 runs) beside the shipped JetSpec head
-    config.heads = ml_collections.ConfigDict(
-      dict(
-        jetspec='assets/jetspec_head_smollm2_135m',
-        recipe='runs/jetspec_r3_full/export',  # --config.heads.recipe=<a train_draft export>
-      )
+    heads = dict(
+      jetspec='assets/jetspec_head_smollm2_135m',
+      recipe='runs/jetspec_r3_full/export',  # --config.heads.recipe=<a train_draft export>
     )
-    config.num_per_group = 3
-    config.budgets = (16,)
-    config.tree_algorithms = ('accum_logp',)
-    config.copy_lens = (0, 4, 7)
-    config.temperatures = (0.0,)
-    config.peers = ()
+    greedy_comparison(
+      config,
+      heads,
+      num_per_group=3,
+      budgets=(16,),
+      tree_algorithm='accum_logp',
+      copy_lens=(0, 4, 7),
+    )
   if arg == 'copy_seeded':  # a copy-seeded head (head.copy_seed) beside the same recipe without it
-    config.heads = ml_collections.ConfigDict(
-      dict(
-        recipe='runs/jetspec_r3_full/export',  # --config.heads.recipe=<a train_draft export>
-        copy_seeded='runs/jetspec_copy3_r3data/export',
-      )
+    heads = dict(
+      recipe='runs/jetspec_r3_full/export',  # --config.heads.recipe=<a train_draft export>
+      copy_seeded='runs/jetspec_copy3_r3data/export',
     )
-    config.num_per_group = 3
-    config.budgets = (8, 16)
-    config.tree_algorithms = ('accum_logp',)
-    config.copy_lens = (0, 4)
-    config.temperatures = (0.0,)
-    config.peers = ()
+    greedy_comparison(
+      config, heads, num_per_group=3, budgets=(8, 16), tree_algorithm='accum_logp', copy_lens=(0, 4)
+    )
   if arg == 'equal_data':  # issue 28's heads on the same data, steps and recipe (assets/README.md)
-    config.heads = ml_collections.ConfigDict(
-      dict(
-        recipe='runs/jetspec_r3_full/export',  # JetSpec, no seeds
-        copy_seeded='runs/jetspec_copy3_r3data/export',  # JetSpec, copy_seed=3
-        dflash_seeded='runs/dflash_copy3_r3data/export',  # DFlash-style, copy_seed=3
-        jetspecpp='runs/jetspecpp_r3data/export',  # JetSpec++ (no seeds: refine excludes them)
-      )
+    heads = dict(
+      recipe='runs/jetspec_r3_full/export',  # JetSpec, no seeds
+      copy_seeded='runs/jetspec_copy3_r3data/export',  # JetSpec, copy_seed=3
+      dflash_seeded='runs/dflash_copy3_r3data/export',  # DFlash-style, copy_seed=3
+      jetspecpp='runs/jetspecpp_r3data/export',  # JetSpec++ (no seeds: refine excludes them)
     )
-    config.num_per_group = 3
-    config.budgets = (16,)
-    config.tree_algorithms = ('accum_logp',)
+    greedy_comparison(
+      config, heads, num_per_group=3, budgets=(16,), tree_algorithm='accum_logp', copy_lens=(0, 4)
+    )
     config.jetspecpp_variants = ((True, 0),)
-    config.copy_lens = (0, 4)
-    config.temperatures = (0.0,)
-    config.peers = ()
   if arg in ('long', 'best_first', 'best_first_budgets', 'steps'):  # whole responses (<= 256)
     config.heads = ml_collections.ConfigDict(dict(jetspec='assets/jetspec_head_smollm2_135m'))
     config.num_per_group = 3
@@ -243,15 +253,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.copy_lens = (0,)
     config.round_cost_settings = ('tree/jetspec/best_first/8', 'tree/steps1600/best_first/8')
   if arg == 'groups':  # tau per prompt group on 16 prompts each (the main table has 3), T=0
-    config.heads = ml_collections.ConfigDict(
-      dict(jetspec='assets/jetspec_head_smollm2_135m')  # --config.heads.jetspec=<an export>
+    heads = dict(jetspec='assets/jetspec_head_smollm2_135m')  # --config.heads.jetspec=<an export>
+    greedy_comparison(
+      config,
+      heads,
+      num_per_group=16,
+      budgets=(8, 16),
+      tree_algorithm='best_first',
+      copy_lens=(0, 4),
     )
-    config.num_per_group = 16
-    config.budgets = (8, 16)
-    config.tree_algorithms = ('best_first',)
-    config.copy_lens = (0, 4)
-    config.temperatures = (0.0,)
-    config.peers = ()
+  if arg == 'rounds':  # the shipped JetSpec head fine-tuned on prompt rounds 0-2 beside it
+    heads = dict(
+      jetspec='assets/jetspec_head_smollm2_135m',
+      rounds012='runs/jetspec_r012_ft600/export',  # --config.heads.rounds012=<an export>
+    )
+    greedy_comparison(
+      config, heads, num_per_group=8, budgets=(8, 16), tree_algorithm='best_first', copy_lens=(0, 4)
+    )
+    config.round_cost_settings = ('tree/jetspec/best_first/8', 'tree/rounds012/best_first/8')
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
     config.budgets = (8, 16, 32)
     config.tree_algorithms = ('accum_logp',)
