@@ -66,7 +66,7 @@ DFlash-style head, JetSpec++), T=0, chains and trees of 16 nodes, with and witho
       --workdir=benchmarks/smollm2_135m_equal_data
 
 The JetSpec head fine-tuned on prompt rounds 0-2 (2.0M response tokens; from the shipped head,
-600 steps, assets/README.md) beside the shipped head, 8 prompts per group, T=0, chains and
+600 steps, assets/README.md) beside the shipped head, 4 prompts per group, T=0, chains and
 best_first trees of 8 and 16 nodes, with and without 4 copy candidates:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:rounds \
       --workdir=benchmarks/smollm2_135m_rounds
@@ -268,7 +268,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       rounds012='runs/jetspec_r012_ft600/export',  # --config.heads.rounds012=<an export>
     )
     greedy_comparison(
-      config, heads, num_per_group=8, budgets=(8, 16), tree_algorithm='best_first', copy_lens=(0, 4)
+      config, heads, num_per_group=4, budgets=(8, 16), tree_algorithm='best_first', copy_lens=(0, 4)
     )
     config.round_cost_settings = ('tree/jetspec/best_first/8', 'tree/rounds012/best_first/8')
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
