@@ -223,14 +223,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
     config.jetspecpp_variants = ((True, 0),)
   if arg in ('long', 'best_first', 'best_first_budgets', 'steps'):  # whole responses (<= 256)
-    config.heads = ml_collections.ConfigDict(dict(jetspec='assets/jetspec_head_smollm2_135m'))
-    config.num_per_group = 3
+    heads = dict(jetspec='assets/jetspec_head_smollm2_135m')
+    greedy_comparison(
+      config, heads, num_per_group=3, budgets=(8, 16), tree_algorithm='accum_logp', copy_lens=(0, 4)
+    )
     config.max_new_tokens = 256
-    config.budgets = (8, 16)
-    config.tree_algorithms = ('accum_logp',)
-    config.copy_lens = (0, 4)
-    config.temperatures = (0.0,)
-    config.peers = ()
     config.round_cost_batches = (1,)  # ms per round and the head's share of it
     config.round_cost_settings = ('chain/jetspec', 'tree/jetspec/accum_logp/16/copy4')
   if arg == 'best_first':  # the :long run with node-by-node trees (jetspec_jax.tree.best_first)
