@@ -36,7 +36,7 @@ test: $(DEV)
 	$(PY) -m pytest -n 2 -m "not slow" --durations=15
 
 # The cases marked slow (pyproject.toml): the Qwen3-8B memory plan and the Mosaic kernels under a
-# 4-device mesh, left out of the default suite to keep it near 16 minutes on 2 cores.
+# 4-device mesh, left out of the default suite to keep it near 15 minutes on 2 cores.
 test-slow: $(DEV)
 	$(PY) -m pytest -n 2 -m slow --durations=15
 
