@@ -95,6 +95,23 @@ def test_generate_data_binary_runs_and_resumes(tmp_path):
   assert os.stat(generate_data.run(config, str(tmp_path))[0]).st_mtime_ns == stamp
 
 
+def test_build_features_binary_splits_the_cache_between_workers(tmp_path):
+  from experiments import build_features
+
+  config = draft_tiny.get_config('runlocal')
+  config.data.update(dir=str(tmp_path / 'data'), shard_size=16)
+  assert len(generate_data.run(config, str(tmp_path))) == 2
+  config.data.features_dir = str(tmp_path / 'cache')
+  config.data.feature_taps = tuple(config.head.target_layer_ids)
+  # Worker 1 of 2 takes the second shard, worker 0 the first; then nothing is left.
+  assert build_features.run(config, part=1, parts=2) == 1
+  assert len(list((tmp_path / 'cache').rglob('shard_00001.features.npy'))) == 1
+  assert build_features.run(config, part=0, parts=2) == 1
+  assert build_features.run(config) == 0
+  argv = ['build_features.py', '--config=c.py', '--workers=2']
+  assert build_features.worker_command(argv, 1)[-3:] == [*argv[1:], '--part=1']
+
+
 def test_train_target_binary_on_tiny_config(tmp_path):
   from jetspec_jax.training import target_trainer
 

@@ -673,12 +673,17 @@ def test_features_recomputed_from_token_shards_equal_collected_ones(target, data
   assert np.load(dst)['tokens'].dtype == np.uint16
   cache = tmp_path / 'features'
   assert data_lib.TokenShards(tokens_only, 40, features_dir=cache).feature_taps is None
-  # Only the shards a run reads (the first of each directory here), then the rest, then none.
+  # Only the shards a run reads (the first of each directory here), then the second of two
+  # workers' share (the other shard), then none.
   assert (
     data_lib.compute_features(target, tokens_only, cache, taps, batch_size=4, shards_per_dir=1) == 1
   )
-  assert data_lib.compute_features(target, tokens_only, cache, taps, batch_size=4) == 1
+  second_half = functools.partial(data_lib.compute_features, part=1, parts=2, batch_size=4)
+  assert data_lib.compute_features(target, tokens_only, cache, taps, part=0, parts=2) == 0
+  assert second_half(target, tokens_only, cache, taps) == 1
   assert data_lib.compute_features(target, tokens_only, cache, taps, batch_size=4) == 0
+  with pytest.raises(ValueError, match='part 2 of 2'):
+    data_lib.compute_features(target, tokens_only, cache, taps, part=2, parts=2)
   want, got = (
     data_lib.TokenShards(collected, 40),
     data_lib.TokenShards(tokens_only, 40, features_dir=cache),

@@ -472,6 +472,8 @@ def compute_features(
   progress: bool = True,
   shards_per_dir: int | None = None,
   prompt_rounds: int | None = None,
+  part: int = 0,
+  parts: int = 1,
 ) -> int:
   """Recomputes the target features of every shard under ``data_dir`` (``shards_per_dir``: of
   the first that many of each directory, the ones a run reads; ``prompt_rounds``: of the first
@@ -481,11 +483,14 @@ def compute_features(
   as the target never reads it). Beside each shard's features go its labels
   (``shard_*.labels.npy``, int32 ``[sum of lengths]``): the target's argmax at every position
   (the greedy next token after it), from the float32 forward. Resumable: finished shards are
-  skipped.
+  skipped. ``part`` of ``parts``: every ``parts``-th of those shards from the ``part``-th, so
+  that processes split the work (``experiments/build_features.py``).
 
   Returns:
     How many shards were computed.
   """
+  if not 0 <= part < parts:
+    raise ValueError(f'part {part} of {parts}: need 0 <= part < parts')
   data_dir, features_dir = epath.Path(data_dir), pathlib.Path(features_dir)
   features_dir.mkdir(parents=True, exist_ok=True)
   meta = features_dir / FEATURE_TAPS_FILE
@@ -508,7 +513,7 @@ def compute_features(
   def done(p):
     return all(features_path(p, data_dir, features_dir, k).exists() for k in ('features', 'labels'))
 
-  paths = select_shards(shard_paths(data_dir, prompt_rounds), shards_per_dir)
+  paths = select_shards(shard_paths(data_dir, prompt_rounds), shards_per_dir)[part::parts]
   todo = [p for p in paths if not done(p)]
   for path in tqdm(todo, desc='features', unit='shard', disable=not progress):
     shard = load_shard(path)

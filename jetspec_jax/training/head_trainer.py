@@ -732,6 +732,38 @@ def local_mesh_from_config(config) -> jax.sharding.Mesh:
   return sharding.local_mesh(model if jax.local_device_count() % model == 0 else 1)
 
 
+def build_feature_cache(
+  config,
+  target: decoder.Target,
+  data_dir,
+  *,
+  part: int = 0,
+  parts: int = 1,
+  progress: bool = True,
+) -> int:
+  """Computes the missing cached features (``data.features_dir``) of the shards a run of
+  ``config`` reads: its held-out shards, then its training ones (``part`` of ``parts``: a share,
+  :func:`data_lib.compute_features`). Returns how many shards were computed; 0 without a cache."""
+  features_dir = config.data.get('features_dir') or None
+  if not (features_dir and config.data.get('feature_taps')):  # features stored beside the shards
+    return 0
+  shards_per_dir = config.data.get('shards_per_dir') or None
+  if shards_per_dir is not None:
+    shards_per_dir += config.eval.get('heldout_shards', 0)
+  return data_lib.compute_features(
+    target,
+    data_dir,
+    features_dir,
+    tuple(config.data.feature_taps),
+    batch_size=config.data.get('feature_batch', 8),
+    progress=progress,
+    shards_per_dir=shards_per_dir,
+    prompt_rounds=config.data.get('prompt_rounds'),
+    part=part,
+    parts=parts,
+  )
+
+
 def load_target_from_config(
   target_config, mesh: jax.sharding.Mesh | None = None, *, fsdp: bool = False
 ) -> decoder.Target:
@@ -877,17 +909,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   heldout_shards = config.eval.get('heldout_shards', 0)
   shards_per_dir = config.data.get('shards_per_dir') or None
   prompt_rounds = config.data.get('prompt_rounds')  # chat data: the plan's rounds it reads
-  if features_dir and config.data.get('feature_taps'):  # a cache: rebuilt from the tokens
-    data_lib.compute_features(
-      target,
-      data_dir,
-      features_dir,
-      tuple(config.data.feature_taps),
-      batch_size=config.data.get('feature_batch', 8),
-      # only the shards this run reads: the held-out ones, then the training ones
-      shards_per_dir=None if shards_per_dir is None else heldout_shards + shards_per_dir,
-      prompt_rounds=prompt_rounds,
-    )
+  build_feature_cache(config, target, data_dir)
   source = data_lib.TokenShards(
     data_dir,
     max_len=config.data.max_len,
