@@ -678,10 +678,16 @@ def test_features_recomputed_from_token_shards_equal_collected_ones(target, data
   assert (
     data_lib.compute_features(target, tokens_only, cache, taps, batch_size=4, shards_per_dir=1) == 1
   )
+  # The taps file is written once, whole (workers start together), and never again: a later
+  # call leaves even its formatting alone.
+  meta = cache / data_lib.FEATURE_TAPS_FILE
+  assert json.loads(meta.read_text()) == list(taps) and not list(cache.glob('*.tmp'))
+  meta.write_text('[0,2]')
   second_half = functools.partial(data_lib.compute_features, part=1, parts=2, batch_size=4)
   assert data_lib.compute_features(target, tokens_only, cache, taps, part=0, parts=2) == 0
   assert second_half(target, tokens_only, cache, taps) == 1
   assert data_lib.compute_features(target, tokens_only, cache, taps, batch_size=4) == 0
+  assert meta.read_text() == '[0,2]'
   with pytest.raises(ValueError, match='part 2 of 2'):
     data_lib.compute_features(target, tokens_only, cache, taps, part=2, parts=2)
   want, got = (

@@ -499,7 +499,10 @@ def compute_features(
       f'{features_dir} holds features of taps {json.loads(meta.read_text())}, not {list(taps)}: '
       'use another features directory'
     )
-  meta.write_text(json.dumps(list(taps)))
+  if not meta.exists():
+    # Workers of experiments/build_features.py start together: each writes a whole file under
+    # its own temporary name, so none reads another's half-written one.
+    _write_atomically(epath.Path(meta), json.dumps(list(taps)).encode(), f'.{os.getpid()}.tmp')
   hidden_size = target.cfg.hidden_size
 
   @jax.jit
