@@ -71,6 +71,14 @@ best_first trees of 8 and 16 nodes, with and without 4 copy candidates:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:rounds \
       --workdir=benchmarks/smollm2_135m_rounds
 
+Since session 54 ``assets/jetspec_head_smollm2_135m`` is the JetSpec head fine-tuned on rounds
+0-2 (1,500 steps; assets/README.md). The comparisons above at equal data (``:dspark``,
+``:jetspecpp``, ``:copy``, ``:rounds``, ``:groups``, ...) ran with the round-0 head shipped before
+it; to repeat one, extract that head and name it:
+  git archive a450b14 assets/jetspec_head_smollm2_135m | tar -x -C /tmp/round0
+  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:jetspecpp \
+      --config.heads.jetspec=/tmp/round0/assets/jetspec_head_smollm2_135m --workdir=...
+
 Held-out chat-formatted prompts in three groups (code: HumanEval as a request; chat:
 ``EVAL_CHAT_INSTRUCTIONS``; math: ``EVAL_MATH_TEMPLATES``), disjoint from the heads' training
 prompts; decoding stops at the tokenizer's stop ids. The peer is transformers' own ``generate``
