@@ -23,12 +23,12 @@ with nothing else set (the round-0 head below), then 1,500 steps on rounds 0-2:
       --config.train.steps=1500 --config.train.lr=5e-4 --workdir=runs/jetspec_r012_ft1500
 The round-0 JetSpec head (shipped before session 54; a450b14) and the shipped DFlash-style,
 JetSpec++ and DSpark heads (assets/{dflash,jetspecpp,dspark}_head_smollm2_135m) are this config's
-presets with nothing else set: all of round 0 after the held-out shard (greedy 1-59 and sampled 1-19: 4,928 sequences,
-1.25M tokens; greedy 0 is the held-out set), 1,600 steps of 8 sequences x 32 blocks, copy seeds
-(JetSpec, DFlash-style; JetSpec++ fills its slots with its own guesses), depth weights, init from
-the target's last layers. DSpark trains on greedy 1-56 (4,784 sequences): greedy 57-58 are its
-calibration's held-out shards. Held-out numbers, wall times and the runs behind each head:
-assets/README.md. Round 1 (``prompt_rounds=2``) and round 2 (``prompt_rounds=3``, the 'tasks'
+presets with nothing else set: all of round 0 after the held-out shard (greedy 1-59 and sampled
+1-19: 4,928 sequences, 1.25M tokens; greedy 0 is the held-out set), 1,600 steps of 8 sequences x 32
+blocks, copy seeds (JetSpec, DFlash-style; JetSpec++ fills its slots with its own guesses), depth
+weights, init from the target's last layers. DSpark trains on greedy 1-56 (4,784 sequences): greedy
+57-58 are its calibration's held-out shards. Held-out numbers, wall times and the runs behind each
+head: assets/README.md. Round 1 (``prompt_rounds=2``) and round 2 (``prompt_rounds=3``, the 'tasks'
 mix below) are being generated; the shipped JetSpec head reads what is committed of them.
 
 Prompts are made offline and never include an evaluation prompt: instructions the model writes
