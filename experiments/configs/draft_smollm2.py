@@ -29,7 +29,7 @@ blocks, copy seeds (JetSpec, DFlash-style; JetSpec++ fills its slots with its ow
 weights, init from the target's last layers. DSpark trains on greedy 1-56 (4,784 sequences): greedy
 57-58 are its calibration's held-out shards. Held-out numbers, wall times and the runs behind each
 head: assets/README.md. Round 1 (``prompt_rounds=2``) and round 2 (``prompt_rounds=3``, the 'tasks'
-mix below) are being generated; the shipped JetSpec head reads what is committed of them.
+mix below) are being generated; the shipped JetSpec head read what 6c627ae had of them.
 
 Prompts are made offline and never include an evaluation prompt: instructions the model writes
 itself from its bare user-turn prefix, coding tasks from the standard library's training split,
