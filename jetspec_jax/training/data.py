@@ -494,12 +494,14 @@ def compute_features(
   data_dir, features_dir = epath.Path(data_dir), pathlib.Path(features_dir)
   features_dir.mkdir(parents=True, exist_ok=True)
   meta = features_dir / FEATURE_TAPS_FILE
-  if meta.exists() and tuple(json.loads(meta.read_text())) != tuple(taps):
-    raise ValueError(
-      f'{features_dir} holds features of taps {json.loads(meta.read_text())}, not {list(taps)}: '
-      'use another features directory'
-    )
-  if not meta.exists():
+  if meta.exists():
+    stored = json.loads(meta.read_text())
+    if tuple(stored) != tuple(taps):
+      raise ValueError(
+        f'{features_dir} holds features of taps {stored}, not {list(taps)}: '
+        'use another features directory'
+      )
+  else:
     # Workers of experiments/build_features.py start together: each writes a whole file under
     # its own temporary name, so none reads another's half-written one.
     _write_atomically(epath.Path(meta), json.dumps(list(taps)).encode(), f'.{os.getpid()}.tmp')
