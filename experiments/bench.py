@@ -165,19 +165,29 @@ def measure_interleaved(
   names = [s.name for s in settings]
   if len(set(names)) != len(names):
     raise ValueError(f'settings must have distinct names, got {names}')
-
+  runs = {s.name: (target, heads, s) for s in settings}
   options = dict(
     max_new_tokens=max_new_tokens, temperature=temperature, shapes=shapes, eos_id=eos_id
   )
-  decode = lambda setting, prompt, seed: _decode(target, heads, setting, prompt, seed, **options)
+  return measure_runs(runs, prompts, **options)
 
-  for setting in settings:  # compile warm-ups
-    decode(setting, prompts[0], 0)
-  outputs = {name: [] for name in names}
+
+def measure_runs(runs: dict, prompts: Sequence[np.ndarray], **options) -> dict[str, list]:
+  """:func:`measure_interleaved` for runs of different targets: ``{label: (target, heads,
+  setting)}`` -> ``{label: outputs}``; ``options`` go to ``js.generate``."""
+  labels = list(runs)
+
+  def decode(label, prompt, seed):
+    target, heads, setting = runs[label]
+    return _decode(target, heads, setting, prompt, seed, **options)
+
+  for label in labels:  # compile warm-ups
+    decode(label, prompts[0], 0)
+  outputs = {label: [] for label in labels}
   for i, prompt in enumerate(prompts):
-    shift = i % len(settings)
-    for setting in list(settings[shift:]) + list(settings[:shift]):
-      outputs[setting.name].append(decode(setting, prompt, i))
+    shift = i % len(labels)
+    for label in labels[shift:] + labels[:shift]:
+      outputs[label].append(decode(label, prompt, i))
   jax.clear_caches()
   return outputs
 
@@ -216,6 +226,12 @@ def summarize(outputs: Sequence, ar_wall_s: float | None = None) -> dict:
   if 'copy_accepted' in counters:  # share of accepted drafts only the copy branch held
     summary['copy_share'] = counters['copy_accepted'] / max(int((taus - 1).sum()), 1)
   return summary
+
+
+def count_equal(outputs: Sequence, reference: Sequence) -> int:
+  """How many outputs equal the reference's token for token."""
+  pairs = zip(outputs, reference, strict=True)
+  return sum(np.array_equal(a.tokens, b.tokens) for a, b in pairs)
 
 
 def check_lossless(name: str, outputs: Sequence, ar_outputs: Sequence) -> None:

@@ -1,14 +1,16 @@
 """float32 vs bfloat16-input / float32-accumulate matmuls on this machine: bare matmuls at the
 shapes head training and decoding use, and the SmolLM2-135M target's decode, verify and prefill
-in three precisions.
+in four precisions.
 
   python -m experiments.benchmark_precision --out=benchmarks/precision_cpu.json
 
 Target variants: ``float32``; ``bf16_compute`` (float32 weights, each projection casts its
 inputs to bfloat16 and accumulates in float32: ``Target.with_compute_dtype('bfloat16')``);
 ``bf16_weights`` (the weight matrices stored in bfloat16, float32 activations and cache:
-``Target.with_weight_dtype('bfloat16')``). A step is the forward plus the full-vocabulary logits
-of every new token (a verify's argmax needs them all; the prefill, of its last token only).
+``Target.with_weight_dtype('bfloat16')``); ``bf16x2_weights`` (the same, each projection input
+split into two bfloat16 halves: ``split_inputs=True``, ``matmul.SPLIT``). A step is the forward
+plus the full-vocabulary logits of every new token (a verify's argmax needs them all; the
+prefill, of its last token only).
 
 Whether bf16 pays depends on the CPU (AMX / AVX512-BF16 units) or accelerator: measure, then set
 ``compute_dtype`` accordingly. Timings are interleaved: every round times each (variant, shape)
@@ -29,12 +31,20 @@ from absl import app, flags
 from experiments import bench
 from jetspec_jax.models import gguf_io, hf_io, matmul
 
-MATMULS = ((1, 576, 1536), (16, 576, 1536), (1024, 576, 1536), (1024, 576, 49152))
-# (batch, new tokens, context): decode, verify 2 / 16 / 32 / 64 nodes, a batch-32 decode, a
+MATMULS = (
+  (1, 576, 1536),
+  (2, 576, 1536),
+  (4, 576, 1536),
+  (16, 576, 1536),
+  (1024, 576, 1536),
+  (1024, 576, 49152),
+)
+# (batch, new tokens, context): decode, verify 2 / 8 / 16 / 32 / 64 nodes, a batch-32 decode, a
 # 512-token prefill.
 TARGET_SHAPES = (
   (1, 1, 512),
   (1, 2, 512),
+  (1, 8, 512),
   (1, 16, 512),
   (1, 32, 512),
   (1, 64, 512),
@@ -92,6 +102,7 @@ def target_variants(target) -> dict:
     float32=target,
     bf16_compute=target.with_compute_dtype('bfloat16'),
     bf16_weights=target.with_weight_dtype('bfloat16'),
+    bf16x2_weights=target.with_weight_dtype('bfloat16', split_inputs=True),
   )
 
 

@@ -6,7 +6,10 @@ lossless and timed.
 Loads the target (the packaged SmolLM2-135M-Instruct GGUF by default), its tokenizer and JetSpec
 head, generates greedily for a few held-out chat-formatted prompts (code and chat) with each
 method (after a compile warm-up), checks that the outputs are identical, prints tau / tokens per
-second / speedup and one completion, and writes a plot of tokens committed per round.
+second / speedup and one completion, and writes a plot of tokens committed per round. With
+``config.bfloat16x2`` it also decodes with the target's weights in bfloat16 (each projection input
+split into two bfloat16 halves), ar and tree, timed against the float32 ar, and reports whether
+that target's tree equals its own ar.
 """
 
 import functools
@@ -22,6 +25,7 @@ import jetspec_jax as js
 from experiments import bench
 from jetspec_jax import chat_prompts
 from jetspec_jax import prompts as prompts_lib
+from jetspec_jax.models import matmul
 
 REBUILD = 'see assets/README.md for the commands that rebuild assets/'
 
@@ -42,7 +46,7 @@ def run(config, workdir: str = 'runs/demo') -> dict:
     raise FileNotFoundError(f'{config.head} is missing; {REBUILD}')
   model_path = js.gguf_io.resolve_model_path(config.target)
   target = js.load_target(model_path)
-  head = js.load_draft_head(config.head, target)
+  head = js.load_draft_head(config.head, target).with_compute_dtype(config.head_compute_dtype)
   tok = js.load_tokenizer(model_path)
   print(
     f'target: {model_path.name} ({js.decoder.count_params(target.params) / 1e6:.1f}M parameters, '
@@ -61,36 +65,49 @@ def run(config, workdir: str = 'runs/demo') -> dict:
     'tree': bench.Setting(tree(), 'jetspec'),
     'tree+copy': bench.Setting(tree(copy_len=config.copy_len), 'jetspec'),
   }
-  # Prompt by prompt across the methods, so a drift of the machine's speed slows all alike.
-  by_name = bench.measure_interleaved(
-    target,
-    {'jetspec': head},
-    list(settings.values()),
-    prompts,
-    max_new_tokens=config.max_new_tokens,
-    shapes=shapes,
-    eos_id=eos,
+  runs = {(name, 'float32'): (target, {'jetspec': head}, s) for name, s in settings.items()}
+  if config.bfloat16x2:
+    narrow = target.with_weight_dtype('bfloat16', split_inputs=True)
+    narrow_head = js.load_draft_head(config.head, narrow)
+    narrow_heads = {'jetspec': narrow_head.with_compute_dtype(config.head_compute_dtype)}
+    for name in ('ar', 'tree'):
+      runs[(name, matmul.SPLIT)] = (narrow, narrow_heads, settings[name])
+  # Prompt by prompt across the runs, so a drift of the machine's speed slows all alike.
+  outputs = bench.measure_runs(
+    runs, prompts, max_new_tokens=config.max_new_tokens, shapes=shapes, eos_id=eos
   )
-  outputs = {name: by_name[s.name] for name, s in settings.items()}
+  ar = outputs[('ar', 'float32')]
   for name in ('chain', 'tree', 'tree+copy'):
-    bench.check_lossless(name, outputs[name], outputs['ar'])
-  ar_wall = sum(o.stats.wall_s for o in outputs['ar'])
-  results = {name: bench.summarize(outs, ar_wall) for name, outs in outputs.items()}
-  print(f'\n{"method":10s} {"tau":>6s} {"tok/s":>8s} {"speedup":>8s}')
-  for name, r in results.items():
-    print(f'{name:10s} {r["tau"]:6.2f} {r["tps"]:8.1f} {r["speedup"]:7.2f}x')
+    bench.check_lossless(name, outputs[(name, 'float32')], ar)
+  ar_wall = sum(o.stats.wall_s for o in ar)
+  results = {key: bench.summarize(outs, ar_wall) for key, outs in outputs.items()}
+  print(f'\n{"method":10s} {"target":>10s} {"tau":>6s} {"tok/s":>8s} {"speedup":>8s}')
+  for (name, weights), r in results.items():
+    print(f'{name:10s} {weights:>10s} {r["tau"]:6.2f} {r["tps"]:8.1f} {r["speedup"]:7.2f}x')
   print(
     f'\ngreedy outputs of ar, chain, tree ({config.budget} nodes, {config.algorithm}) and '
     f'tree+copy (the same budget, {config.copy_len} of it copy candidates) are identical on '
-    f'{len(prompts)} held-out prompts'
+    f'{len(prompts)} held-out prompts (float32 target)'
   )
+  if config.bfloat16x2:
+    narrow_ar = outputs[('ar', matmul.SPLIT)]
+    same = bench.count_equal(outputs[('tree', matmul.SPLIT)], narrow_ar)
+    same_f32 = bench.count_equal(narrow_ar, ar)
+    own = results[('ar', matmul.SPLIT)]['wall_s'] / results[('tree', matmul.SPLIT)]['wall_s']
+    print(
+      f'{matmul.SPLIT} target (bfloat16 weights, each input as two bfloat16 halves): its tree '
+      f'equals its ar on {same}/{len(prompts)} prompts and runs {own:.2f}x its ar; its ar equals '
+      f'the float32 ar on {same_f32}/{len(prompts)}; the speedups above are over the float32 ar'
+    )
+  outputs = {name: outputs[(name, 'float32')] for name in settings}
   shown = tok.decode(prompts[0].tolist()) + tok.decode(outputs['tree'][0].tokens.tolist())
   print(f'\nfirst prompt and its completion (tree):\n{shown}')
   plot_path = write_plot(outputs, pathlib.Path(workdir), head.cfg.block_size)
-  summary = dict(**bench.envelope(config), num_prompts=len(prompts), methods=results)
+  methods = {name + ('' if w == 'float32' else f'/{w}'): r for (name, w), r in results.items()}
+  summary = dict(**bench.envelope(config), num_prompts=len(prompts), methods=methods)
   (pathlib.Path(workdir) / 'demo.json').write_text(json.dumps(summary, indent=2))
   print(f'plot: {plot_path}; numbers: {pathlib.Path(workdir) / "demo.json"}')
-  return results
+  return methods
 
 
 def write_plot(outputs, workdir: pathlib.Path, block_size: int) -> pathlib.Path:

@@ -18,6 +18,10 @@ def heads(target):
   return {
     'causal': js.testing.random_draft_head(target, block_size=6, seed=1),
     'bidirectional': js.testing.random_draft_head(target, block_size=6, causal=False, seed=2),
+    # Drafting in mixed precision changes draft scores only, never the output.
+    'causal_bf16': js.testing.random_draft_head(target, block_size=6, seed=1).with_compute_dtype(
+      'bfloat16'
+    ),
   }
 
 
@@ -31,6 +35,7 @@ CASES = [
   (js.methods.Tree(budget=255, width=7), 'causal'),
   (js.methods.Tree(budget=40, width=5, algorithm='top2gap'), 'causal'),
   (js.methods.Tree(budget=16, width=4, algorithm='best_first', copy_len=3), 'causal'),
+  (js.methods.Tree(budget=12, width=3, algorithm='best_first'), 'causal_bf16'),
 ]
 
 

@@ -41,10 +41,10 @@ def test_assets_load_and_shipped_heads_are_lossless():
 
 def test_demo_runs_on_tiny_config(tmp_path):
   results = demo.run(demo_config.get_config('tiny'), str(tmp_path))
-  assert set(results) == {'ar', 'chain', 'tree', 'tree+copy'}
+  assert set(results) == {'ar', 'chain', 'tree', 'tree+copy', 'ar/bfloat16x2', 'tree/bfloat16x2'}
   saved = json.loads((tmp_path / 'demo.json').read_text())
   fields = {'tau', 'tps', 'wall_s', 'tokens', 'speedup', 'tau_histogram'}
-  for name in ('ar', 'chain', 'tree'):
+  for name in ('ar', 'chain', 'tree', 'ar/bfloat16x2', 'tree/bfloat16x2'):
     assert set(saved['methods'][name]) == fields
   assert set(saved['methods']['tree+copy']) == fields | {'round_stats', 'copy_share'}
   assert saved['methods']['tree']['tau'] >= 1.0 and (tmp_path / 'demo_tau.png').exists()

@@ -48,3 +48,19 @@ def test_shipped_heads_are_lossless_on_a_chat_prompt(smollm2):
     tree = js.generate(target, head, prompt, max_new_tokens=24, eos_id=tok.eos_ids, method=method)
     np.testing.assert_array_equal(tree.tokens, ar.tokens)
     assert tree.stats.mean_tau > 1.0, name
+
+
+def test_bfloat16x2_target_is_lossless_against_its_own_ar(smollm2):
+  """The target with bfloat16 weights and split inputs (``split_inputs=True``), drafted by the
+  shipped head in bfloat16: greedy tree == this target's own AR on a real chat prompt."""
+  target, tok = smollm2
+  narrow = target.with_weight_dtype('bfloat16', split_inputs=True)
+  head = js.load_draft_head(SHIPPED['jetspec'], narrow).with_compute_dtype('bfloat16')
+  prompt = tok.apply_chat_template(
+    [{'role': 'user', 'content': 'Explain what a hash table is in two sentences.'}]
+  )
+  kw = dict(max_new_tokens=24, eos_id=tok.eos_ids)
+  ar = js.generate(narrow, None, prompt, method=js.methods.AR(), **kw)
+  tree = js.generate(narrow, head, prompt, method=js.methods.Tree(8, 7, 'best_first'), **kw)
+  np.testing.assert_array_equal(tree.tokens, ar.tokens)
+  assert tree.stats.mean_tau > 1.0

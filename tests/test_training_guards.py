@@ -8,6 +8,7 @@
 """
 
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -250,6 +251,15 @@ def test_bf16_weight_target_keeps_float32_activations(target):
   assert target.with_weight_dtype('float32').compute_dtype is None
   with pytest.raises(ValueError, match='compute_dtype must be a float dtype name'):
     target.with_weight_dtype('int8')
+  # Split inputs: the same bfloat16 weights, nearer the float32 target than rounded inputs.
+  split = target.with_weight_dtype('bfloat16', split_inputs=True)
+  assert split.compute_dtype == matmul.SPLIT
+  exact_inputs = target.replace(params=narrow.params, activation_dtype='float32')  # f32 dots
+  ref = exact_inputs.forward_logits(ids)
+  split_err = float(jnp.abs(split.forward_logits(ids) - ref).max())
+  assert split_err < 0.1 * float(jnp.abs(got - ref).max())
+  with pytest.raises(ValueError, match='split_inputs takes bfloat16'):
+    target.with_weight_dtype('float16', split_inputs=True)
 
 
 @pytest.fixture(scope='module')
@@ -331,3 +341,26 @@ def test_throughput_benchmark_variants():
   assert benchmark_training.parse_variant('vocab995') == (0.995, None)
   with pytest.raises(ValueError, match='unknown variant'):
     benchmark_training.parse_variant('vocab')
+
+
+def test_mixed_precision_matmul_rows_do_not_depend_on_the_row_count():
+  """A decode step's one row and the same row inside a verify's 16 give the same bits
+  (``matmul.MIN_ROWS`` padding); the tied-LM-head form equals the transposed product."""
+  if 'amx_bf16' not in pathlib.Path('/proc/cpuinfo').read_text():
+    pytest.skip('row invariance of the bfloat16 dot is a measured property of AMX CPUs')
+  x = jax.random.normal(jax.random.key(0), (16, 576))
+  w = jax.random.normal(jax.random.key(1), (576, 192))
+  full = np.asarray(matmul.matmul(x, w, 1, jnp.bfloat16))
+  for rows in (1, 2, 3, 9):
+    got = np.asarray(matmul.matmul(x[:rows], w, 1, jnp.bfloat16))
+    np.testing.assert_array_equal(got, full[:rows])
+  split = np.asarray(matmul.matmul(x, w, 1, matmul.SPLIT))
+  np.testing.assert_array_equal(np.asarray(matmul.matmul(x[:1], w, 1, matmul.SPLIT)), split[:1])
+  exact = np.asarray(x @ w.astype(jnp.bfloat16).astype(jnp.float32))
+  assert np.abs(split - exact).max() < 0.01 * np.abs(full - exact).max()
+  table = jax.random.normal(jax.random.key(2), (300, 576))
+  scores = matmul.matmul_rows(x[None, :2], table)
+  assert scores.shape == (1, 2, 300) and scores.dtype == jnp.float32
+  np.testing.assert_allclose(scores[0], matmul.matmul(x[:2], table.T, 1), rtol=1e-5, atol=1e-4)
+  with pytest.raises(ValueError, match='cannot score'):
+    matmul.matmul_rows(x[:, :5], table)

@@ -24,6 +24,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.width = 7
   config.algorithm = 'best_first'  # or 'accum_logp' (the paper's), 'top2gap'
   config.copy_len = 4  # 'tree+copy': copy candidates from the context (prompt lookup)
+  # Also decode with the target's weights in bfloat16, each projection input split into two
+  # bfloat16 halves (Target.with_weight_dtype('bfloat16', split_inputs=True)): ar and tree, timed
+  # against the float32 ar; on a CPU with AMX its verify costs little more than a decode step.
+  config.bfloat16x2 = True
+  # The head drafts with bfloat16-input projections (DraftHead.with_compute_dtype): draft scores
+  # only, so the output is the same; its share of a round shrinks (benchmarks/smollm2_135m_bf16).
+  config.head_compute_dtype = 'bfloat16'
   if arg in ('code_small', 'tiny'):
     config.target = 'assets/target_code_small'
     config.head = 'assets/jetspec_head_code_small'

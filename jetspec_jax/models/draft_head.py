@@ -568,10 +568,18 @@ class DraftHead:
   # A reduced draft vocabulary (sorted token ids ``[K]``, :func:`draft_vocabulary`): the head
   # scores only these ids; every other id has draft probability 0. None: the whole vocabulary.
   draft_vocab: Array | None = None
+  # 'bfloat16': drafting's projections take bfloat16 inputs with float32 accumulation
+  # (models/matmul.py); only draft scores change, so verification and the output do not.
+  compute_dtype: str | None = flax.struct.field(pytree_node=False, default=None)
 
   @property
   def dtype(self):
     return self.params['fc']['kernel'].dtype
+
+  def with_compute_dtype(self, compute_dtype: str | None) -> 'DraftHead':
+    """The same head drafting with mixed-precision projections (``'bfloat16'``) or plain ones."""
+    matmul.resolve(compute_dtype)  # a bad name fails here
+    return self.replace(compute_dtype=compute_dtype)
 
   def vocab_logits(self, target: decoder.Target, hidden: Float[Array, '... D']) -> Array:
     """float32 draft scores ``[..., V]`` of head outputs over the target's LM head (ids outside
@@ -579,7 +587,14 @@ class DraftHead:
     hidden = hidden.astype(target.dtype)
     if self.draft_vocab is None:
       return target.lm_logits(hidden).astype(jnp.float32)
-    reduced = vocab_logits(target, hidden, self.draft_vocab)
+    table = target.output_embedding()[self.draft_vocab]
+    compute_dtype = matmul.resolve(self.compute_dtype)
+    if compute_dtype is None and table.dtype != hidden.dtype:  # a bfloat16-weight target
+      compute_dtype = table.dtype
+    if compute_dtype is None:
+      reduced = vocab_logits(target, hidden, self.draft_vocab)
+    else:
+      reduced = matmul.matmul_rows(hidden, table, compute_dtype)
     return scatter_to_vocab(reduced, self.draft_vocab, target.cfg.vocab_size)
 
   def make_cache(self, batch_size: int, capacity: int) -> kv_lib.KVCache:
@@ -610,7 +625,7 @@ class DraftHead:
     offsets = jnp.arange(r, dtype=jnp.int32)[None]
     positions = cache.lengths[:, None] + offsets
     slots = jnp.where(offsets < num_new[:, None], positions, cache.capacity)
-    module = DraftHeadModule(self.cfg, self.dtype)
+    module = DraftHeadModule(self.cfg, self.dtype, compute_dtype=matmul.resolve(self.compute_dtype))
     k, v = module.apply(
       {'params': backbone_params(self.params)},
       features,
@@ -644,7 +659,8 @@ class DraftHead:
     anchor_pos = cache.lengths
     positions = anchor_pos[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
     ctx_mask, blk_mask = block_mask(cfg, anchor_pos, cache.capacity)
-    module = DraftHeadModule(cfg, self.dtype, live_context=True)
+    compute_dtype = matmul.resolve(self.compute_dtype)
+    module = DraftHeadModule(cfg, self.dtype, live_context=True, compute_dtype=compute_dtype)
     return module.apply(
       {'params': backbone_params(self.params)}, x, positions, cache.k, cache.v, ctx_mask, blk_mask
     )

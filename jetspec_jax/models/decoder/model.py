@@ -83,8 +83,7 @@ class Decoder(nn.Module):
   def lm_logits(self, hidden):
     if self.cfg.tie_word_embeddings:
       if self.compute_dtype is not None:
-        table = self.embed_tokens.embedding
-        return matmul.matmul(hidden, table.T, 1, self.compute_dtype)
+        return matmul.matmul_rows(hidden, self.embed_tokens.embedding, self.compute_dtype)
       return self.embed_tokens.attend(hidden)
     return self.lm_head(hidden)
 
@@ -268,7 +267,8 @@ class Target:
   params: dict
   attn_impl: str = flax.struct.field(pytree_node=False, default='xla')
   # 'bfloat16': matmuls with bfloat16 inputs and float32 accumulation (models/matmul.py) over
-  # float32 (or bfloat16) weights; None: plain matmuls in the parameters' dtype.
+  # float32 (or bfloat16) weights; 'bfloat16x2': each input as two bfloat16 halves (matmul.SPLIT);
+  # None: plain matmuls in the parameters' dtype.
   compute_dtype: str | None = flax.struct.field(pytree_node=False, default=None)
   # The dtype of activations and the KV cache; None: the parameters' dtype. Differs from it
   # only for weights stored narrower than the activations (:meth:`with_weight_dtype`).
@@ -294,18 +294,27 @@ class Target:
     matmul.resolve(compute_dtype)  # a bad name fails here
     return self.replace(compute_dtype=compute_dtype)
 
-  def with_weight_dtype(self, weight_dtype: str) -> 'Target':
+  def with_weight_dtype(self, weight_dtype: str, *, split_inputs: bool = False) -> 'Target':
     """The same target with its weight matrices stored in ``weight_dtype`` (``'bfloat16'``:
     half the bytes each step reads) and the projections taking ``weight_dtype`` inputs with
     float32 accumulation; activations, the KV cache and the norm scales keep the current dtype.
-    Close to the float32 target, not equal (greedy near-ties can flip)."""
+    Close to the float32 target, not equal (greedy near-ties can flip).
+
+    ``split_inputs`` (bfloat16 only): each projection's input is the sum of two bfloat16 halves
+    (:data:`~jetspec_jax.models.matmul.SPLIT`) instead of one rounding, so that greedy
+    speculative decoding of this target keeps equal to its AR (measured; the float32 target's
+    is by test)."""
     compute_dtype = matmul.resolve(weight_dtype)  # a bad name fails here; float32 -> None
     dtype = jnp.dtype(weight_dtype)
+    if split_inputs and dtype != jnp.bfloat16:
+      raise ValueError(f'split_inputs takes bfloat16 weights, got {weight_dtype!r}')
     params = jax.tree.map(lambda p: p.astype(dtype) if p.ndim >= 2 else p, self.params)
+    if split_inputs:
+      compute_dtype = matmul.SPLIT
+    elif compute_dtype is not None:
+      compute_dtype = dtype.name
     return self.replace(
-      params=params,
-      activation_dtype=jnp.dtype(self.dtype).name,
-      compute_dtype=None if compute_dtype is None else dtype.name,
+      params=params, activation_dtype=jnp.dtype(self.dtype).name, compute_dtype=compute_dtype
     )
 
   def forward(self, tokens, cache, **kwargs) -> ForwardOutput:
