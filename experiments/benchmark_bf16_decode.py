@@ -5,7 +5,9 @@
 The target's weight matrices in bfloat16 with float32 accumulation, each projection's input
 rounded to bfloat16 (``Target.with_weight_dtype('bfloat16')``, ``bfloat16``) or split into two
 bfloat16 halves (``split_inputs=True``, ``bfloat16x2``; activations, norms and the KV cache stay
-float32), and the same target in float32, each decoding the held-out prompts of
+float32), the split one with its prompt forward in rounded bfloat16
+(``with_prefill_compute_dtype('bfloat16')``, ``bfloat16x2+bf16_prefill``: AR reads the same
+prefill), and the same target in float32, each decoding the held-out prompts of
 ``configs/benchmark_smollm2.py`` (3 per group, greedy, the model's stop ids) with AR, a chain and
 ``best_first`` trees, settings of both targets interleaved prompt by prompt after a compile
 warm-up each. Per setting: tau, tokens/s, speedup over the float32 AR and over the bfloat16 AR,
@@ -34,7 +36,14 @@ flags.DEFINE_string('head', 'assets/jetspec_head_smollm2_135m', 'The JetSpec hea
 flags.DEFINE_integer('num_per_group', 3, 'Prompts per group (code, chat, math).')
 flags.DEFINE_integer('max_new_tokens', 48, 'New tokens per prompt.')
 flags.DEFINE_list('budgets', ['8', '16'], 'best_first tree budgets.')
-flags.DEFINE_list('targets', ['float32', 'bfloat16', 'bfloat16x2'], 'Target precisions to run.')
+flags.DEFINE_integer(
+  'repeats', 1, 'Decode the prompt list this many times (interleaved as one longer list).'
+)
+flags.DEFINE_list(
+  'targets',
+  ['float32', 'bfloat16', 'bfloat16x2', 'bfloat16x2+bf16_prefill'],
+  'Target precisions to run.',
+)
 flags.DEFINE_list(
   'head_compute_dtypes',
   ['bfloat16'],
@@ -56,6 +65,9 @@ def run(out_dir: str | None) -> dict:
     'float32': lambda: float32,
     'bfloat16': lambda: float32.with_weight_dtype('bfloat16'),
     'bfloat16x2': lambda: float32.with_weight_dtype('bfloat16', split_inputs=True),
+    'bfloat16x2+bf16_prefill': lambda: float32.with_weight_dtype(
+      'bfloat16', split_inputs=True
+    ).with_prefill_compute_dtype('bfloat16'),
   }
   if 'float32' not in FLAGS.targets:
     raise ValueError('--targets must include float32 (the AR every speedup is measured against)')
@@ -69,6 +81,7 @@ def run(out_dir: str | None) -> dict:
     tok, num_code=FLAGS.num_per_group, num_math=FLAGS.num_per_group
   )
   prompts = [np.asarray(p) for ps in groups.values() for p in ps[: FLAGS.num_per_group]]
+  prompts = prompts * FLAGS.repeats
   budgets = [int(b) for b in FLAGS.budgets]
   shapes = js.decoding.shared_shapes(prompts, FLAGS.max_new_tokens, max(budgets) + 8)
   first_head = FLAGS.head_compute_dtypes[0]

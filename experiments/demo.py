@@ -8,7 +8,8 @@ head, generates greedily for a few held-out chat-formatted prompts (code and cha
 method (after a compile warm-up), checks that the outputs are identical, prints tau / tokens per
 second / speedup and one completion, and writes a plot of tokens committed per round. With
 ``config.bfloat16x2`` it also decodes with the target's weights in bfloat16 (each projection input
-split into two bfloat16 halves), ar and tree, timed against the float32 ar, and reports whether
+split into two bfloat16 halves; the prompt's forward with rounded inputs,
+``config.bfloat16x2_prefill``), ar and tree, timed against the float32 ar, and reports whether
 that target's tree equals its own ar.
 """
 
@@ -68,6 +69,7 @@ def run(config, workdir: str = 'runs/demo') -> dict:
   runs = {(name, 'float32'): (target, {'jetspec': head}, s) for name, s in settings.items()}
   if config.bfloat16x2:
     narrow = target.with_weight_dtype('bfloat16', split_inputs=True)
+    narrow = narrow.with_prefill_compute_dtype(config.bfloat16x2_prefill)
     narrow_head = js.load_draft_head(config.head, narrow)
     narrow_heads = {'jetspec': narrow_head.with_compute_dtype(config.head_compute_dtype)}
     for name in ('ar', 'tree'):
@@ -95,7 +97,8 @@ def run(config, workdir: str = 'runs/demo') -> dict:
     same_f32 = bench.count_equal(narrow_ar, ar)
     own = results[('ar', matmul.SPLIT)]['wall_s'] / results[('tree', matmul.SPLIT)]['wall_s']
     print(
-      f'{matmul.SPLIT} target (bfloat16 weights, each input as two bfloat16 halves): its tree '
+      f'{matmul.SPLIT} target (bfloat16 weights, each input as two bfloat16 halves; prefill '
+      f'{config.bfloat16x2_prefill or matmul.SPLIT}): its tree '
       f'equals its ar on {same}/{len(prompts)} prompts and runs {own:.2f}x its ar; its ar equals '
       f'the float32 ar on {same_f32}/{len(prompts)}; the speedups above are over the float32 ar'
     )

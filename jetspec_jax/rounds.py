@@ -44,12 +44,14 @@ def prefill(
   prompt (``lengths = prompt_lens``); causal by slot, and padding comes after every real row.
   Prompts longer than ``chunk`` run ``chunk`` tokens at a time (``lax.scan``; each chunk attends
   causally to itself and to the chunks before it), so activations stay linear in ``chunk``.
+  It runs in the target's prefill compute mode (``Target.for_prefill``).
 
   Returns:
     (cache, last_logits ``[B, V]`` float32, taps ``[B, Pb, n_taps*D]`` or None); with
     ``with_hidden`` the taps are followed by the final-normed hidden states on the feature axis.
   """
   b, pb = prompts.shape
+  target = target.for_prefill()
   cache = target.make_cache(b, capacity)
   size = chunk if pb > chunk and pb % chunk == 0 else pb
   last_row = (prompt_lens - 1)[:, None, None]

@@ -262,6 +262,31 @@ def test_bf16_weight_target_keeps_float32_activations(target):
     target.with_weight_dtype('float16', split_inputs=True)
 
 
+def test_prefill_compute_mode_is_the_prompt_forward_only(target, prompts):
+  """``with_prefill_compute_dtype``: the prompt's forward runs as the rounded-input target's
+  (same cache, same first logits), decode steps and verifies as the split-input target's; a
+  greedy tree then equals this target's AR, which reads the same prefill."""
+  split = target.with_weight_dtype('bfloat16', split_inputs=True)
+  mixed = split.with_prefill_compute_dtype('bfloat16')
+  rounded = target.with_weight_dtype('bfloat16')
+  assert mixed.for_prefill().compute_dtype == 'bfloat16' and split.for_prefill() is split
+  ids = jnp.asarray(prompts[2][None])
+  lens = jnp.asarray([ids.shape[1]], jnp.int32)
+  run = lambda t: js.rounds.prefill(t, ids, lens, 32)
+  (cache, logits, _), (want_cache, want_logits, _) = run(mixed), run(rounded)
+  np.testing.assert_array_equal(logits, want_logits)
+  for got, want in zip(cache.k, want_cache.k, strict=True):
+    np.testing.assert_array_equal(got, want)
+  assert not np.array_equal(logits, run(split)[1])
+  head = random_head(mixed, 'jetspec')
+  for prompt in prompts:
+    ar = js.generate(mixed, None, prompt, max_new_tokens=20, method=js.methods.AR())
+    tree = js.generate(mixed, head, prompt, max_new_tokens=20, method=js.methods.Tree())
+    np.testing.assert_array_equal(tree.tokens, ar.tokens)
+  with pytest.raises(ValueError, match='compute_dtype must be a float dtype name'):
+    split.with_prefill_compute_dtype('int8')
+
+
 @pytest.fixture(scope='module')
 def shards(target, tmp_path_factory):
   path = tmp_path_factory.mktemp('shards')

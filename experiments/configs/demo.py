@@ -28,6 +28,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # bfloat16 halves (Target.with_weight_dtype('bfloat16', split_inputs=True)): ar and tree, timed
   # against the float32 ar; on a CPU with AMX its verify costs little more than a decode step.
   config.bfloat16x2 = True
+  # Its prompt forward with inputs rounded to bfloat16 once (Target.with_prefill_compute_dtype;
+  # faster, and its ar reads the same prefill, so its tree still equals its ar); None: split.
+  config.bfloat16x2_prefill = 'bfloat16'
   # The head drafts with bfloat16-input projections (DraftHead.with_compute_dtype): draft scores
   # only, so the output is the same; its share of a round shrinks (benchmarks/smollm2_135m_bf16).
   config.head_compute_dtype = 'bfloat16'
