@@ -40,7 +40,9 @@ class Setting:
   @property
   def name(self) -> str:
     copy_len = getattr(self.method, 'copy_len', 0)
-    return self._base_name + (f'/copy{copy_len}' if copy_len else '')
+    copy_prior = getattr(self.method, 'copy_prior', ())
+    merged = '/copymerge' + ','.join(f'{p:g}' for p in copy_prior) if copy_prior else ''
+    return self._base_name + (f'/copy{copy_len}' if copy_len else '') + merged
 
   @property
   def _base_name(self) -> str:

@@ -36,6 +36,12 @@ flags.DEFINE_string('head', 'assets/jetspec_head_smollm2_135m', 'The JetSpec hea
 flags.DEFINE_integer('num_per_group', 3, 'Prompts per group (code, chat, math).')
 flags.DEFINE_integer('max_new_tokens', 48, 'New tokens per prompt.')
 flags.DEFINE_list('budgets', ['8', '16'], 'best_first tree budgets.')
+flags.DEFINE_list(
+  'copy_prior',
+  [],
+  'Also each tree with copy candidates merged at these probabilities per match length '
+  '(Tree.copy_prior; experiments/calibrate_copy.py).',
+)
 flags.DEFINE_integer(
   'repeats', 1, 'Decode the prompt list this many times (interleaved as one longer list).'
 )
@@ -54,6 +60,10 @@ flags.DEFINE_list(
 def settings(budgets) -> list[bench.Setting]:
   m = js.methods
   trees = [bench.Setting(m.Tree(b, 7, 'best_first'), 'jetspec') for b in budgets]
+  if FLAGS.copy_prior:
+    prior = tuple(float(p) for p in FLAGS.copy_prior)
+    merged = [m.Tree(b, 7, 'best_first', copy_prior=prior) for b in budgets]
+    trees += [bench.Setting(t, 'jetspec') for t in merged]
   return [bench.Setting(), bench.Setting(m.Chain(), 'jetspec'), *trees]
 
 

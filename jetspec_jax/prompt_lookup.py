@@ -24,7 +24,7 @@ verification and acceptance do not change, so the output stays exactly the targe
 
 import jax.numpy as jnp
 
-from jetspec_jax.typing import Array, Int
+from jetspec_jax.typing import Array, Float, Int
 
 
 def continuation(
@@ -87,3 +87,23 @@ def seed_guesses(
   tokens at or before ``last`` are read, so training may pass a whole stored sequence."""
   tokens, count, _ = continuation(history, last, max_ngram=max_ngram, length=depth)
   return jnp.where(jnp.arange(depth) < count, tokens, -1).astype(jnp.int32)
+
+
+def merge_into_logprobs(
+  logprobs: Float[Array, 'depth V'],
+  history: Int[Array, ' S'],
+  last: Int[Array, ''],
+  prior: tuple[float, ...],
+) -> Float[Array, 'depth V']:
+  """Copy candidates as draft candidates: the :func:`continuation` of the context (longest match
+  up to ``len(prior)`` tokens, one token per depth) with probability ``prior[n - 1]`` for a match
+  of ``n`` tokens. At each depth the continuation's token gets ``max(its log-prob, log prior)``;
+  every other entry is unchanged, so a tree builder spends its whole budget on whichever of head
+  and copy is likelier, instead of a fixed copy branch."""
+  depth = logprobs.shape[0]
+  tokens, count, ngram = continuation(history, last, max_ngram=len(prior), length=depth)
+  log_prior = jnp.log(jnp.asarray(prior, jnp.float32))[jnp.maximum(ngram - 1, 0)]
+  rows = jnp.arange(depth)
+  current = logprobs[rows, tokens]
+  merged = jnp.where(rows < count, jnp.maximum(current, log_prior), current)
+  return logprobs.at[rows, tokens].set(merged)

@@ -334,9 +334,12 @@ def add_branch(
 TREE_BUILDERS = {'accum_logp': accum_logp, 'top2gap': top2gap, 'best_first': best_first}
 
 
-@functools.partial(jax.jit, static_argnames=('width',))
-def topk_per_depth(logits: Float[Array, '... depth V'], width: int):
-  """Full-vocabulary log-softmax in float32, then rank-sorted top-``width`` per depth."""
-  logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+@functools.partial(jax.jit, static_argnames=('width', 'normalize'))
+def topk_per_depth(logits: Float[Array, '... depth V'], width: int, *, normalize: bool = True):
+  """Full-vocabulary log-softmax in float32 (``normalize=False``: ``logits`` are log-probs
+  already, used as they are), then rank-sorted top-``width`` per depth."""
+  logprobs = logits.astype(jnp.float32)
+  if normalize:
+    logprobs = jax.nn.log_softmax(logprobs, axis=-1)
   values, ids = jax.lax.top_k(logprobs, width)
   return ids.astype(jnp.int32), values

@@ -140,6 +140,37 @@ def test_copy_raises_tau_where_the_output_repeats(target, heads, ar_outputs, pro
   assert out.stats.tau.max() == 6 and out.stats.mean_tau > 1.5
 
 
+def test_merge_into_logprobs_raises_only_the_continuation():
+  """Each depth's copied token gets max(its log-prob, log prior[n - 1]) for a match of n tokens;
+  every other entry, and a context without a match, stay as they were."""
+  history = jnp.asarray([5, 6, 7, 1, 2, 5, 6, 7, 0, 0], jnp.int32)  # anchor 7 at index 7
+  logprobs = jnp.log(jnp.full((3, 9), 1 / 9, jnp.float32)).at[1, 2].set(jnp.log(0.95))
+  merged = prompt_lookup.merge_into_logprobs(logprobs, history, jnp.int32(7), (0.2, 0.4, 0.8))
+  # "5 6 7" matched at index 2 (n = 3): the continuation is 1 2 5.
+  want = logprobs.at[0, 1].set(jnp.log(0.8)).at[2, 5].set(jnp.log(0.8))  # depth 1 keeps 0.95
+  np.testing.assert_allclose(merged, want, rtol=1e-6)
+  alone = jnp.asarray([3, 4, 8, 0], jnp.int32)
+  np.testing.assert_array_equal(
+    prompt_lookup.merge_into_logprobs(logprobs, alone, jnp.int32(2), (0.2,)), logprobs
+  )
+
+
+def test_merged_copy_candidates_stay_lossless_and_raise_tau(target, heads, prompts, ar_outputs):
+  """Copy candidates merged into the head's (``copy_prior``): greedy == AR on every prompt, and
+  on the prompt whose output repeats, a tree of 6 nodes accepts more than without them."""
+  merged = js.methods.Tree(budget=6, width=3, algorithm='best_first', copy_prior=(0.5, 0.9, 0.99))
+  plain = js.methods.Tree(budget=6, width=3, algorithm='best_first')
+  outs = js.generate(target, heads['causal'], prompts, max_new_tokens=30, method=merged)
+  for out, want in zip(outs, ar_outputs):
+    np.testing.assert_array_equal(out.tokens, want)
+  without = js.generate(target, heads['causal'], prompts[2], max_new_tokens=30, method=plain)
+  assert outs[2].stats.mean_tau > without.stats.mean_tau + 0.5
+  with pytest.raises(ValueError, match='copy_len must be 0'):
+    js.methods.Tree(budget=8, copy_len=2, copy_prior=(0.5,))
+  with pytest.raises(ValueError, match=r'probabilities in \(0, 1\]'):
+    js.methods.Tree(budget=8, copy_prior=(0.5, 1.5))
+
+
 def test_sampled_with_copy_matches_target_distribution():
   """T = 1, two rows, several rounds, with a copy branch taking half the tree: each row's
   4-token sequence follows the target's distribution, and copied drafts were accepted."""

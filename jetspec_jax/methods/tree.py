@@ -53,6 +53,11 @@ class Tree(Method):
   suffix join the tree as one branch (:func:`jetspec_jax.tree.add_branch`). They count in the
   budget: the head's tree gets ``budget - copy_len`` nodes; ``copy_len`` is at most the head's
   depth. ``stats.round_stats`` then counts ``copy_nodes`` and ``copy_accepted``.
+
+  ``copy_prior`` (instead of ``copy_len``) merges the copy candidates into the head's instead:
+  the continuation's token at each depth gets probability ``copy_prior[n - 1]`` for a match of
+  ``n`` tokens when the head gives it less (:func:`jetspec_jax.prompt_lookup.merge_into_logprobs`),
+  and the builder spends the whole budget.
   """
 
   name = 'tree'
@@ -63,8 +68,14 @@ class Tree(Method):
   algorithm: str = 'accum_logp'
   copy_len: int = 0
   copy_ngram: int = 4
+  copy_prior: tuple[float, ...] = ()
 
   def __post_init__(self):
+    object.__setattr__(self, 'copy_prior', tuple(float(p) for p in self.copy_prior))
+    if any(not 0.0 < p <= 1.0 for p in self.copy_prior):
+      raise ValueError(f'copy_prior={self.copy_prior} must hold probabilities in (0, 1]')
+    if self.copy_prior and self.copy_len:
+      raise ValueError('copy_prior merges copy candidates into the tree; copy_len must be 0')
     if self.budget < 1:
       raise ValueError(f'budget={self.budget} must be >= 1 (it counts the root)')
     if self.width < 1:
@@ -86,7 +97,7 @@ class Tree(Method):
 
   @property
   def keeps_history(self) -> bool:
-    return self.copy_len > 0
+    return self.copy_len > 0 or bool(self.copy_prior)
 
   def make_round(self, target, head):
     if self.width > target.cfg.vocab_size:
@@ -227,7 +238,15 @@ def draft_tree(
 ) -> tuple[tree_lib.Tree, Array | None]:
   """The round's trees ``[B, budget]`` from per-depth logits ``[B, D, V]``, and with copy
   candidates (``settings.copy_len > 0``) which nodes they added (``bool[B, budget]``)."""
-  ids, logprobs = tree_lib.topk_per_depth(draft_logits, settings.width)
+  if settings.copy_prior:
+    if state.history is None:
+      raise ValueError('copy candidates need RoundState.history (start_rounds(keep_history=True))')
+    logprobs = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
+    merge = functools.partial(prompt_lookup.merge_into_logprobs, prior=settings.copy_prior)
+    draft_logits = jax.vmap(merge)(logprobs, state.history, state.cache.lengths)
+  # Merged copy candidates are not renormalised: each keeps the probability it was given.
+  normalize = not settings.copy_prior
+  ids, logprobs = tree_lib.topk_per_depth(draft_logits, settings.width, normalize=normalize)
   head_budget = settings.budget - settings.copy_len
   builder = functools.partial(tree_lib.TREE_BUILDERS[settings.algorithm], budget=head_budget)
   tree = jax.vmap(lambda i, lp, a: builder(i, lp, anchor=a))(ids, logprobs, state.anchor)
