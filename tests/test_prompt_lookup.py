@@ -262,3 +262,24 @@ def test_first_response_tokens_scores_the_start_of_each_answer():
   np.testing.assert_allclose(got['walk_tau'], (1 + 2) / 2)
   whole = head_trainer.first_response_tokens(batch, 100)
   np.testing.assert_array_equal(whole['loss_mask'], mask)
+
+
+def test_copy_calibration_counts_right_copies(tmp_path):
+  """``calibrate_copy`` on a shard whose response repeats its prompt: every 4-token match copies
+  right (precision 1), and a planted wrong token after the repeat is counted wrong."""
+  from experiments import calibrate_copy
+
+  prompt = [3, 4, 5, 6, 7, 8, 9, 10]
+  tokens = np.array([prompt + prompt + [2]], np.uint16)
+  mask = np.zeros_like(tokens, np.uint8)
+  mask[0, 8:] = 1
+  np.savez(tmp_path / 'shard_00000.npz', tokens=tokens, loss_mask=mask, lengths=np.array([17]))
+  result = calibrate_copy.calibrate([tmp_path / 'shard_00000.npz'], max_ngram=4, depth=3)
+  rows = {r['ngram']: r for r in result['rows']}
+  assert result['anchors'] == 9  # positions 7..15 predict the response tokens 8..16
+  # Anchors 11..15 have a 4-token match; the copy at 15 predicts 3 (what followed "7 8 9 10" in
+  # the prompt) where the sequence has 2: the other 4 copy their next token right. Anchors 8,
+  # 9, 10 match 1, 2, 3 tokens and copy right; 7 has no match.
+  assert rows[4]['anchors'] == 5 and rows[4]['first_precision'] == pytest.approx(4 / 5)
+  assert result['copy_prior'] == pytest.approx([1.0, 1.0, 1.0, 0.8])
+  assert result['no_match'] == pytest.approx(1 / 9)
