@@ -301,9 +301,9 @@ class Target:
   def with_prefill_compute_dtype(self, compute_dtype: str | None) -> 'Target':
     """The same target whose prompt forward (prefill) runs in ``compute_dtype`` (``'float32'``,
     ``'bfloat16'``, ``'bfloat16x2'``; None: as every other forward). For a bfloat16x2 target,
-    ``'bfloat16'`` rounds the prefill's inputs once: a 256-token prefill on the AMX CPU took
-    ~0.29 s instead of ~0.42 (benchmarks/smollm2_135m_bf16), and greedy speculative decoding
-    still equals this target's AR, which reads the same prefill."""
+    ``'bfloat16'`` rounds the prefill's inputs once, faster on a CPU with AMX (docs/benchmarks.md
+    §2b), and greedy speculative decoding still equals this target's AR, which reads the same
+    prefill."""
     matmul.resolve(compute_dtype)  # a bad name fails here
     return self.replace(prefill_compute_dtype=compute_dtype)
 
