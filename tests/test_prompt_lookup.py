@@ -12,6 +12,7 @@ import pytest
 import jetspec_jax as js
 from jetspec_jax import decoding, prompt_lookup, rounds
 from jetspec_jax import tree as tree_lib
+from jetspec_jax.training import copy_calibration
 from tests.conftest import VOCAB
 from tests.test_decoding import assert_chi_square, exact_distribution
 
@@ -265,16 +266,14 @@ def test_first_response_tokens_scores_the_start_of_each_answer():
 
 
 def test_copy_calibration_counts_right_copies(tmp_path):
-  """``calibrate_copy`` on a shard whose response repeats its prompt: every 4-token match copies
+  """``copy_calibration`` on a shard whose response repeats its prompt: every 4-token match copies
   right (precision 1), and a planted wrong token after the repeat is counted wrong."""
-  from experiments import calibrate_copy
-
   prompt = [3, 4, 5, 6, 7, 8, 9, 10]
   tokens = np.array([prompt + prompt + [2]], np.uint16)
   mask = np.zeros_like(tokens, np.uint8)
   mask[0, 8:] = 1
   np.savez(tmp_path / 'shard_00000.npz', tokens=tokens, loss_mask=mask, lengths=np.array([17]))
-  result = calibrate_copy.calibrate([tmp_path / 'shard_00000.npz'], max_ngram=4, depth=3)
+  result = copy_calibration.calibrate([tmp_path / 'shard_00000.npz'], max_ngram=4, depth=3)
   rows = {r['ngram']: r for r in result['rows']}
   assert result['anchors'] == 9  # positions 7..15 predict the response tokens 8..16
   # Anchors 11..15 have a 4-token match; the copy at 15 predicts 3 (what followed "7 8 9 10" in

@@ -1,0 +1,75 @@
+"""How often copy candidates are right, by match length, on stored token shards: the priors of
+``Tree(copy_prior=...)`` (run by ``experiments/calibrate_copy.py``).
+
+Every response position of a sequence is an anchor: the continuation of the longest earlier match
+of the context ending there (:func:`jetspec_jax.prompt_lookup.continuation`) is compared with the
+tokens that follow. Per match length ``n``: how many anchors have one, the precision of the first
+copied token, and the precision of depth ``d`` given depths ``< d`` were right (the conditional
+probability a tree builder adds along a path). ``copy_prior`` is the first token's precision per
+``n``: deeper tokens of a right copy are right more often (the match has grown), so it
+under-weights them, never the first.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax import prompt_lookup
+
+
+def anchor_outcomes(tokens: np.ndarray, loss_mask: np.ndarray, max_ngram: int, depth: int):
+  """Per response anchor of one sequence: (match length, copied count, ``bool[depth]`` whether
+  each copied token equals the sequence's next ones)."""
+  n = len(tokens)
+  history = jnp.asarray(tokens, jnp.int32)
+  lookup = functools.partial(prompt_lookup.continuation, max_ngram=max_ngram, length=depth)
+  anchors = np.nonzero(loss_mask[1:n])[0]  # position p predicts p + 1, a response token
+  anchors = anchors[anchors + 1 < n]
+  copied, count, ngram = jax.jit(jax.vmap(lookup, in_axes=(None, 0)))(history, jnp.asarray(anchors))
+  copied, count, ngram = map(np.asarray, (copied, count, ngram))
+  future = np.full((len(anchors), depth), -1)
+  for d in range(depth):
+    at = anchors + 1 + d
+    future[:, d] = np.where(at < n, tokens[np.minimum(at, n - 1)], -1)
+  right = (copied == future) & (np.arange(depth)[None] < count[:, None])
+  return ngram, count, right
+
+
+def calibrate(shards, max_ngram: int, depth: int) -> dict:
+  ngrams, counts, rights = [], [], []
+  for path in shards:
+    with np.load(path) as z:
+      for tokens, mask, length in zip(z['tokens'], z['loss_mask'], z['lengths'], strict=True):
+        g, c, r = anchor_outcomes(tokens[:length].astype(np.int64), mask[:length], max_ngram, depth)
+        ngrams.append(g), counts.append(c), rights.append(r)
+  ngram, count, right = map(np.concatenate, (ngrams, counts, rights))
+  rows = []
+  for n in range(1, max_ngram + 1):
+    sel = ngram == n
+    r, c = right[sel], count[sel]
+    prefix_right = np.cumprod(r, axis=1).astype(bool)  # depths 0..d all right
+    conditional, hits, tries = [], 0, 0
+    for d in range(depth):
+      reached = (c > d) & (prefix_right[:, d - 1] if d else True)
+      h, t = int(r[reached, d].sum()), int(reached.sum())
+      conditional.append(h / t if t else None)
+      hits, tries = hits + h, tries + t
+    rows.append(
+      dict(
+        ngram=n,
+        anchors=int(sel.sum()),
+        share_of_anchors=float(sel.mean()),
+        first_precision=float(r[:, 0].mean()) if sel.any() else None,
+        conditional_precision=conditional,
+        pooled_conditional=hits / tries if tries else None,
+      )
+    )
+  return dict(
+    shards=list(shards),
+    anchors=int(len(ngram)),
+    no_match=float((ngram == 0).mean()),
+    rows=rows,
+    copy_prior=[round(r['first_precision'], 2) for r in rows],
+  )
