@@ -18,17 +18,30 @@ import numpy as np
 
 from jetspec_jax import prompt_lookup
 
+BUCKET = 256  # sequences and anchor lists are padded to multiples of it: one compile per bucket
+
+
+@functools.partial(jax.jit, static_argnames=('max_ngram', 'depth'))
+def _lookup_all(history, anchors, *, max_ngram: int, depth: int):
+  lookup = functools.partial(prompt_lookup.continuation, max_ngram=max_ngram, length=depth)
+  return jax.vmap(lookup, in_axes=(None, 0))(history, anchors)
+
+
+def _pad(x: np.ndarray) -> np.ndarray:
+  return np.pad(x, (0, -len(x) % BUCKET))
+
 
 def anchor_outcomes(tokens: np.ndarray, loss_mask: np.ndarray, max_ngram: int, depth: int):
   """Per response anchor of one sequence: (match length, copied count, ``bool[depth]`` whether
   each copied token equals the sequence's next ones)."""
   n = len(tokens)
-  history = jnp.asarray(tokens, jnp.int32)
-  lookup = functools.partial(prompt_lookup.continuation, max_ngram=max_ngram, length=depth)
   anchors = np.nonzero(loss_mask[1:n])[0]  # position p predicts p + 1, a response token
   anchors = anchors[anchors + 1 < n]
-  copied, count, ngram = jax.jit(jax.vmap(lookup, in_axes=(None, 0)))(history, jnp.asarray(anchors))
-  copied, count, ngram = map(np.asarray, (copied, count, ngram))
+  # Padding changes nothing: the lookup reads history up to its anchor only, and padded anchors
+  # (0) are dropped.
+  history = jnp.asarray(_pad(np.asarray(tokens)), jnp.int32)
+  out = _lookup_all(history, jnp.asarray(_pad(anchors)), max_ngram=max_ngram, depth=depth)
+  copied, count, ngram = (np.asarray(x)[: len(anchors)] for x in out)
   future = np.full((len(anchors), depth), -1)
   for d in range(depth):
     at = anchors + 1 + d
