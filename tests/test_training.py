@@ -700,6 +700,23 @@ def test_features_recomputed_from_token_shards_equal_collected_ones(target, data
     np.testing.assert_allclose(got[i]['features'], want[i]['features'], atol=2e-2, rtol=1e-2)
   with pytest.raises(ValueError, match='holds features of taps'):
     data_lib.compute_features(target, tokens_only, cache, (1,))
+  # The forward's matmul mode is recorded; a cache filled before that (no mode file) is float32.
+  assert data_lib.feature_compute_dtype(cache) == 'float32'
+  (cache / data_lib.FEATURE_COMPUTE_FILE).unlink()
+  assert data_lib.feature_compute_dtype(cache) == 'float32'
+  with pytest.raises(ValueError, match='computed in float32, not bfloat16'):
+    data_lib.compute_features(target, tokens_only, cache, taps, compute_dtype='bfloat16')
+  with pytest.raises(ValueError, match='compute_dtype must be one of'):
+    data_lib.compute_features(target, tokens_only, cache, taps, compute_dtype='float16')
+  # bfloat16 matmul inputs: a directory of its own, close to the float32 features, not equal.
+  narrow = tmp_path / 'features_bf16'
+  assert data_lib.feature_compute_dtype(narrow) is None
+  compute_narrow = functools.partial(data_lib.compute_features, compute_dtype='bfloat16')
+  assert compute_narrow(target, tokens_only, narrow, taps, batch_size=4) == 2
+  assert data_lib.feature_compute_dtype(narrow) == 'bfloat16'
+  near = data_lib.TokenShards(tokens_only, 40, features_dir=narrow)
+  gaps = [np.abs(near[i]['features'] - got[i]['features']).max() for i in range(6)]
+  assert 0 < max(gaps) < 0.1, gaps
 
 
 def test_token_shards_keep_the_first_shards_of_each_directory(tmp_path):

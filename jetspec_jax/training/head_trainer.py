@@ -761,6 +761,7 @@ def build_feature_cache(
     prompt_rounds=config.data.get('prompt_rounds'),
     part=part,
     parts=parts,
+    compute_dtype=config.data.get('features_compute_dtype', 'float32'),
   )
 
 
