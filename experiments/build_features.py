@@ -7,7 +7,9 @@
 this builds them first, each worker a disjoint share of the shards (every ``workers``-th from its
 own offset), so a CPU the one process leaves part idle is kept busy. Finished shards are skipped,
 so an interrupted build resumes where it stopped, and ``train_draft`` with the same config then
-finds nothing left to compute.
+finds nothing left to compute. ``--config.data.features_compute_dtype=bfloat16`` (with a
+``data.features_dir`` of its own) builds the cache with bfloat16 matmul inputs, ~1.5x faster on a
+CPU with AMX (assets/README.md).
 """
 
 import subprocess
