@@ -60,6 +60,25 @@ def test_greedy_speculative_equals_autoregressive(
     assert accepted_drafts > 0, 'no draft was ever accepted: the commit path went untested'
 
 
+def test_depth_bonus_shapes_the_tree_only(target, heads, prompts, ar_outputs):
+  """``Tree.depth_bonus`` favours depth: a bonus larger than any log-probability gap turns a
+  best-first tree of ``block_size`` nodes into the head's top-1 chain (the same rounds as
+  ``Chain``, so the bonus reaches the builder); a moderate one stays lossless."""
+  head = heads['causal']
+  deep = js.methods.Tree(budget=6, width=3, algorithm='best_first', depth_bonus=100.0)
+  plain = js.methods.Tree(budget=6, width=3, algorithm='best_first')
+  moderate = js.methods.Tree(budget=12, width=3, algorithm='best_first', depth_bonus=0.7)
+  differs = False  # without the bonus, some tree of 6 nodes is not the chain
+  for prompt, want in zip(prompts, ar_outputs):
+    run = functools.partial(js.generate, target, head, prompt, max_new_tokens=30)
+    got, chain, without = run(method=deep), run(method=js.methods.Chain()), run(method=plain)
+    np.testing.assert_array_equal(got.tokens, want)
+    np.testing.assert_array_equal(got.stats.tau, chain.stats.tau)
+    differs |= not np.array_equal(without.stats.tau, chain.stats.tau)
+    np.testing.assert_array_equal(run(method=moderate).tokens, want)
+  assert differs, 'best-first trees were chains anyway: the bonus went untested'
+
+
 def test_moe_target_lossless():
   target = js.testing.tiny_target(2, moe=True, vocab_size=VOCAB)
   head = js.testing.random_draft_head(target, block_size=5, seed=3)

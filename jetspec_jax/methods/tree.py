@@ -58,6 +58,13 @@ class Tree(Method):
   the continuation's token at each depth gets probability ``copy_prior[n - 1]`` for a match of
   ``n`` tokens when the head gives it less (:func:`jetspec_jax.prompt_lookup.merge_into_logprobs`),
   and the builder spends the whole budget.
+
+  ``depth_bonus`` is added to every candidate's log-probability while the tree is built: a node at
+  depth ``d`` scores ``d * depth_bonus`` more, so a positive bonus grows deeper, narrower trees.
+  The head's per-depth distributions are marginals, and a path's later tokens are right more
+  often once its earlier ones are (the conditional acceptance exceeds the marginal), which a
+  product of marginals does not see. It shapes the tree only: verification and acceptance read
+  the draft logits, so output stays the target's.
   """
 
   name = 'tree'
@@ -69,9 +76,11 @@ class Tree(Method):
   copy_len: int = 0
   copy_ngram: int = 4
   copy_prior: tuple[float, ...] = ()
+  depth_bonus: float = 0.0
 
   def __post_init__(self):
     object.__setattr__(self, 'copy_prior', tuple(float(p) for p in self.copy_prior))
+    object.__setattr__(self, 'depth_bonus', float(self.depth_bonus))
     if any(not 0.0 < p <= 1.0 for p in self.copy_prior):
       raise ValueError(f'copy_prior={self.copy_prior} must hold probabilities in (0, 1]')
     if self.copy_prior and self.copy_len:
@@ -247,6 +256,8 @@ def draft_tree(
   # Merged copy candidates are not renormalised: each keeps the probability it was given.
   normalize = not settings.copy_prior
   ids, logprobs = tree_lib.topk_per_depth(draft_logits, settings.width, normalize=normalize)
+  if settings.depth_bonus:
+    logprobs = logprobs + settings.depth_bonus
   head_budget = settings.budget - settings.copy_len
   builder = functools.partial(tree_lib.TREE_BUILDERS[settings.algorithm], budget=head_budget)
   tree = jax.vmap(lambda i, lp, a: builder(i, lp, anchor=a))(ids, logprobs, state.anchor)
