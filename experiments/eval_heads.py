@@ -23,6 +23,7 @@ import ast
 import dataclasses
 import json
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -50,7 +51,8 @@ def parse_heads(spec: str) -> dict[str, str]:
 
 def parse_method(spec: str) -> methods.Method:
   """``'tree:budget=16,copy_len=4'`` -> ``Tree(budget=16, copy_len=4)``; a bare name takes the
-  method's defaults. Values are Python literals (``16``, ``0.3``, ``False``) or bare words
+  method's defaults. Values are Python literals (``16``, ``0.3``, ``False``, a tuple
+  ``copy_prior=(0.5,0.9)``: commas inside brackets belong to the value) or bare words
   (``algorithm=best_first``)."""
   name, _, settings = spec.partition(':')
   name = name.strip()
@@ -58,7 +60,7 @@ def parse_method(spec: str) -> methods.Method:
   # The settings whose value is text (e.g. Tree.algorithm) take a bare word.
   defaults = {f.name: f.default for f in dataclasses.fields(cls)} if cls else {}
   fields = {}
-  for item in filter(None, settings.split(',')):
+  for item in filter(None, re.split(r',(?![^()\[\]]*[)\]])', settings)):
     key, sep, value = item.partition('=')
     if not sep or not key:
       raise ValueError(f'method settings are key=value pairs, got {item!r} in {spec!r}')

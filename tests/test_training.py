@@ -525,6 +525,8 @@ def test_eval_heads_flags_and_methods():
     budget=16, copy_len=4
   )
   assert eval_heads.parse_method('dspark:threshold=0.3').threshold == 0.3
+  merged = eval_heads.parse_method('tree:copy_prior=(0.2, 0.5),budget=8,depth_bonus=0.5')
+  assert merged == js.methods.Tree(budget=8, copy_prior=(0.2, 0.5), depth_bonus=0.5)
   with pytest.raises(ValueError, match='key=value'):
     eval_heads.parse_method('tree:16')
   with pytest.raises(ValueError, match='not a number'):
