@@ -475,6 +475,21 @@ def feature_compute_dtype(features_dir) -> str | None:
   return 'float32' if next(features_dir.rglob('*.features.npy'), None) else None
 
 
+def _pin_feature_meta(features_dir: pathlib.Path, name: str, value, stored, what: str) -> None:
+  """Records ``value`` as a features directory's ``name`` file when none is stored yet (``stored``
+  None), else refuses a different one: a directory holds features of one kind only."""
+  if stored is None:
+    # Workers of experiments/build_features.py start together: each writes a whole file under
+    # its own temporary name, so none reads another's half-written one.
+    _write_atomically(
+      epath.Path(features_dir / name), json.dumps(value).encode(), f'.{os.getpid()}.tmp'
+    )
+  elif stored != value:
+    raise ValueError(
+      f'{features_dir} holds features {what}{stored}, not {value}: use another features directory'
+    )
+
+
 def compute_features(
   target: decoder.Target,
   data_dir: str | os.PathLike,
@@ -496,7 +511,7 @@ def compute_features(
   generation collects: taps, then the final-normed hidden state; the last token's row is zeros,
   as the target never reads it). Beside each shard's features go its labels
   (``shard_*.labels.npy``, int32 ``[sum of lengths]``): the target's argmax at every position
-  (the greedy next token after it), from the float32 forward. Resumable: finished shards are
+  (the greedy next token after it), from the same forward. Resumable: finished shards are
   skipped. ``part`` of ``parts``: every ``parts``-th of those shards from the ``part``-th, so
   that processes split the work (``experiments/build_features.py``). ``compute_dtype``
   ``'bfloat16'``: the forward's matmuls take bfloat16 inputs with float32 accumulation, about 1.7x
@@ -515,29 +530,11 @@ def compute_features(
     raise ValueError(
       f'compute_dtype must be one of {FEATURE_COMPUTE_DTYPES}, got {compute_dtype!r}'
     )
-  stored_mode = feature_compute_dtype(features_dir)
-  if stored_mode is None:
-    mode_file = features_dir / FEATURE_COMPUTE_FILE
-    _write_atomically(
-      epath.Path(mode_file), json.dumps(compute_dtype).encode(), f'.{os.getpid()}.tmp'
-    )
-  elif stored_mode != compute_dtype:
-    raise ValueError(
-      f'{features_dir} holds features computed in {stored_mode}, not {compute_dtype}: '
-      'use another features directory'
-    )
   meta = features_dir / FEATURE_TAPS_FILE
-  if meta.exists():
-    stored = json.loads(meta.read_text())
-    if tuple(stored) != tuple(taps):
-      raise ValueError(
-        f'{features_dir} holds features of taps {stored}, not {list(taps)}: '
-        'use another features directory'
-      )
-  else:
-    # Workers of experiments/build_features.py start together: each writes a whole file under
-    # its own temporary name, so none reads another's half-written one.
-    _write_atomically(epath.Path(meta), json.dumps(list(taps)).encode(), f'.{os.getpid()}.tmp')
+  stored_taps = json.loads(meta.read_text()) if meta.exists() else None
+  _pin_feature_meta(features_dir, FEATURE_TAPS_FILE, list(taps), stored_taps, 'of taps ')
+  stored_mode = feature_compute_dtype(features_dir)
+  _pin_feature_meta(features_dir, FEATURE_COMPUTE_FILE, compute_dtype, stored_mode, 'computed in ')
   if compute_dtype == 'bfloat16':
     target = target.with_compute_dtype('bfloat16')
   hidden_size = target.cfg.hidden_size
