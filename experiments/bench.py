@@ -42,7 +42,9 @@ class Setting:
     copy_len = getattr(self.method, 'copy_len', 0)
     copy_prior = getattr(self.method, 'copy_prior', ())
     merged = '/copymerge' + ','.join(f'{p:g}' for p in copy_prior) if copy_prior else ''
-    return self._base_name + (f'/copy{copy_len}' if copy_len else '') + merged
+    bonus = getattr(self.method, 'depth_bonus', 0.0)
+    deeper = f'/depth_bonus{bonus:g}' if bonus else ''
+    return self._base_name + (f'/copy{copy_len}' if copy_len else '') + merged + deeper
 
   @property
   def _base_name(self) -> str:

@@ -42,6 +42,11 @@ flags.DEFINE_list(
   'Also each tree with copy candidates merged at these probabilities per match length '
   '(Tree.copy_prior; experiments/calibrate_copy.py).',
 )
+flags.DEFINE_list(
+  'depth_bonus',
+  [],
+  'Also each tree (without copy candidates) with these Tree.depth_bonus values (deeper trees).',
+)
 flags.DEFINE_integer(
   'repeats', 1, 'Decode the prompt list this many times (interleaved as one longer list).'
 )
@@ -64,6 +69,9 @@ def settings(budgets) -> list[bench.Setting]:
     prior = tuple(float(p) for p in FLAGS.copy_prior)
     merged = [m.Tree(b, 7, 'best_first', copy_prior=prior) for b in budgets]
     trees += [bench.Setting(t, 'jetspec') for t in merged]
+  for bonus in FLAGS.depth_bonus:
+    deeper = [m.Tree(b, 7, 'best_first', depth_bonus=float(bonus)) for b in budgets]
+    trees += [bench.Setting(t, 'jetspec') for t in deeper]
   return [bench.Setting(), bench.Setting(m.Chain(), 'jetspec'), *trees]
 
 

@@ -26,6 +26,8 @@ def test_settings_name_and_validate():
     'tree/jetspec/accum_logp/16',
   ]
   assert settings[2].method == js.methods.Tree(budget=8, width=7, algorithm='accum_logp')
+  deeper = bench.Setting(js.methods.Tree(8, 7, 'best_first', depth_bonus=0.5), 'jetspec')
+  assert deeper.name == 'tree/jetspec/best_first/8/depth_bonus0.5'
   with pytest.raises(TypeError, match='method value'):
     bench.Setting('tree', 'jetspec')
   with pytest.raises(ValueError, match='head'):

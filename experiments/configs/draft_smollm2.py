@@ -79,7 +79,8 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       feature_batch=8,
       # 'bfloat16': the cache's forward with bfloat16 matmul inputs, about 1.7x faster with AMX,
       # 99.7% of labels equal to the float32 forward's (assets/README.md); it needs its own
-      # features_dir (e.g. .../smollm2_135m_bf16). The shipped heads trained on float32 features.
+      # features_dir (e.g. .../smollm2_135m_bf16). The shipped heads trained on float32 features;
+      # a head trained on bfloat16 ones scored within 0.01 of them (assets/README.md, session 58).
       features_compute_dtype='float32',
       prompts='chat_mix',
       num_instructions=2400,
