@@ -684,6 +684,7 @@ def test_features_recomputed_from_token_shards_equal_collected_ones(target, data
   # call leaves even its formatting alone.
   meta = cache / data_lib.FEATURE_TAPS_FILE
   assert json.loads(meta.read_text()) == list(taps) and not list(cache.glob('*.tmp'))
+  assert data_lib.feature_taps(cache) == tuple(taps) and data_lib.feature_taps(tmp_path) is None
   meta.write_text('[0,2]')
   second_half = functools.partial(data_lib.compute_features, part=1, parts=2, batch_size=4)
   assert data_lib.compute_features(target, tokens_only, cache, taps, part=0, parts=2) == 0
@@ -719,6 +720,10 @@ def test_features_recomputed_from_token_shards_equal_collected_ones(target, data
   near = data_lib.TokenShards(tokens_only, 40, features_dir=narrow)
   gaps = [np.abs(near[i]['features'] - got[i]['features']).max() for i in range(6)]
   assert 0 < max(gaps) < 0.1, gaps
+  # Features without the taps they were tapped at are refused, not read as tokens only.
+  (narrow / data_lib.FEATURE_TAPS_FILE).unlink()
+  with pytest.raises(FileNotFoundError, match='holds features but no feature_taps.json'):
+    data_lib.TokenShards(tokens_only, 40, features_dir=narrow)
 
 
 def test_token_shards_keep_the_first_shards_of_each_directory(tmp_path):

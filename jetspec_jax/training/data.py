@@ -465,6 +465,13 @@ def features_path(
 _FEATURE_WIDTH_STEP = 64
 
 
+def feature_taps(features_dir) -> tuple[int, ...] | None:
+  """The target layers a features directory's features were tapped at; None where none are
+  recorded (no features computed there yet)."""
+  taps_file = pathlib.Path(features_dir) / FEATURE_TAPS_FILE
+  return tuple(json.loads(taps_file.read_text())) if taps_file.exists() else None
+
+
 def feature_compute_dtype(features_dir) -> str | None:
   """The matmul mode a features directory's forward ran in: ``'float32'`` for one filled before
   the mode was recorded (features but no mode file), None for one without features."""
@@ -530,9 +537,8 @@ def compute_features(
     raise ValueError(
       f'compute_dtype must be one of {FEATURE_COMPUTE_DTYPES}, got {compute_dtype!r}'
     )
-  meta = features_dir / FEATURE_TAPS_FILE
-  stored_taps = json.loads(meta.read_text()) if meta.exists() else None
-  _pin_feature_meta(features_dir, FEATURE_TAPS_FILE, list(taps), stored_taps, 'of taps ')
+  taps = tuple(taps)
+  _pin_feature_meta(features_dir, FEATURE_TAPS_FILE, taps, feature_taps(features_dir), 'of taps ')
   stored_mode = feature_compute_dtype(features_dir)
   _pin_feature_meta(features_dir, FEATURE_COMPUTE_FILE, compute_dtype, stored_mode, 'computed in ')
   if compute_dtype == 'bfloat16':
@@ -542,7 +548,7 @@ def compute_features(
   @jax.jit
   def forward(tokens, lengths):
     feats = rounds.prefill(
-      target, tokens, lengths, tokens.shape[1], taps=tuple(taps), with_hidden=True
+      target, tokens, lengths, tokens.shape[1], taps=taps, with_hidden=True
     )[2]
     argmax = jnp.argmax(target.lm_logits(feats[..., -hidden_size:]), axis=-1)
     return feats, argmax.astype(jnp.int32)
@@ -677,7 +683,13 @@ class TokenShards:
     self._features = None
     feature_files = [features_path(p, data_dir, features_dir) for p in paths]
     if features_dir is not None and all(f.exists() for f in feature_files):
-      taps = {tuple(json.loads((pathlib.Path(features_dir) / FEATURE_TAPS_FILE).read_text()))}
+      recorded = feature_taps(features_dir)
+      if recorded is None:
+        raise FileNotFoundError(
+          f'{features_dir} holds features but no {FEATURE_TAPS_FILE}: recompute them with '
+          'data.compute_features (experiments/build_features.py)'
+        )
+      taps = {recorded}
     else:
       taps = {tuple(int(i) for i in d['feature_taps']) for d in loaded if 'feature_taps' in d}
     if taps and all(f.exists() for f in feature_files):
