@@ -547,9 +547,7 @@ def compute_features(
 
   @jax.jit
   def forward(tokens, lengths):
-    feats = rounds.prefill(
-      target, tokens, lengths, tokens.shape[1], taps=taps, with_hidden=True
-    )[2]
+    feats = rounds.prefill(target, tokens, lengths, tokens.shape[1], taps=taps, with_hidden=True)[2]
     argmax = jnp.argmax(target.lm_logits(feats[..., -hidden_size:]), axis=-1)
     return feats, argmax.astype(jnp.int32)
 
