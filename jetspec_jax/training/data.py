@@ -680,7 +680,8 @@ class TokenShards:
     self.feature_taps: tuple[int, ...] | None = None
     self._features = None
     feature_files = [features_path(p, data_dir, features_dir) for p in paths]
-    if features_dir is not None and all(f.exists() for f in feature_files):
+    have_features = all(f.exists() for f in feature_files)
+    if features_dir is not None and have_features:
       recorded = feature_taps(features_dir)
       if recorded is None:
         raise FileNotFoundError(
@@ -690,7 +691,7 @@ class TokenShards:
       taps = {recorded}
     else:
       taps = {tuple(int(i) for i in d['feature_taps']) for d in loaded if 'feature_taps' in d}
-    if taps and all(f.exists() for f in feature_files):
+    if taps and have_features:
       if len(taps) != 1:
         raise ValueError(f'shards under {data_dir} were collected with different taps: {taps}')
       self.feature_taps = taps.pop()
