@@ -16,20 +16,23 @@ Heads (same data, size and steps):
       --workdir=runs/dspark
   python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:jetspecpp \
       --workdir=runs/jetspecpp
-Status: the shipped JetSpec head (assets/jetspec_head_smollm2_135m) is this config's preset
-with nothing else set (the round-0 head below), then 1,500 steps on rounds 0-2:
+Status: the shipped JetSpec and DFlash-style heads (assets/{jetspec,dflash}_head_smollm2_135m)
+are this config's preset with nothing else set (the round-0 heads below), then 1,500 steps on
+rounds 0-2 (the DFlash-style head from the bfloat16 feature cache, session 60):
   python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:jetspec \
       --config.data.prompt_rounds=3 --config.train.init_from=<the round-0 head> \
       --config.train.steps=1500 --config.train.lr=5e-4 --workdir=runs/jetspec_r012_ft1500
-The round-0 JetSpec head (shipped before session 54; a450b14) and the shipped DFlash-style,
-JetSpec++ and DSpark heads (assets/{dflash,jetspecpp,dspark}_head_smollm2_135m) are this config's
+The round-0 JetSpec head (shipped before session 54; a450b14), the round-0 DFlash-style head
+(shipped before session 60; ac9a618) and the shipped JetSpec++ and DSpark heads
+(assets/{jetspecpp,dspark}_head_smollm2_135m) are this config's
 presets with nothing else set: all of round 0 after the held-out shard (greedy 1-59 and sampled
 1-19: 4,928 sequences, 1.25M tokens; greedy 0 is the held-out set), 1,600 steps of 8 sequences x 32
 blocks, copy seeds (JetSpec, DFlash-style; JetSpec++ fills its slots with its own guesses), depth
 weights, init from the target's last layers. DSpark trains on greedy 1-56 (4,784 sequences): greedy
 57-58 are its calibration's held-out shards. Held-out numbers, wall times and the runs behind each
 head: assets/README.md. Round 1 (``prompt_rounds=2``) and round 2 (``prompt_rounds=3``, the 'tasks'
-mix below) are being generated; the shipped JetSpec head read what 6c627ae had of them.
+mix below) are committed in full; the shipped JetSpec and DFlash-style heads read what 6c627ae had
+of them (9,931 sequences of rounds 0-2).
 
 Prompts are made offline and never include an evaluation prompt: instructions the model writes
 itself from its bare user-turn prefix, coding tasks from the standard library's training split,
