@@ -12,8 +12,9 @@ DSpark against JetSpec and DFlash-style (all three heads: same data, size and st
 8, T=0 and T=1:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:dspark \
       --workdir=benchmarks/smollm2_135m_dspark
-JetSpec++ against JetSpec (same recipe, data, size and steps): trees of 8 nodes with and without
-copy candidates, MASK slots and recycled guesses, T=0 and T=1, the head's share of a round:
+JetSpec++ against JetSpec (the shipped heads: same recipe, copy seeds, data, size and steps): trees
+of 8 nodes with and without copy candidates, MASK (seeded) slots and recycled guesses, T=0 and
+T=1, the head's share of a round:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:jetspecpp \
       --workdir=benchmarks/smollm2_135m_jetspecpp
 Copy candidates (prompt lookup joined to the trees, chains and JetSpec++ trees; tau, speedup and
@@ -160,9 +161,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.round_cost_batches = (1,)
     config.round_cost_settings = ('tree/jetspec/accum_logp/8/copy4', 'dspark/dspark/threshold0')
   if arg == 'jetspecpp':
-    # JetSpec++ against JetSpec, both heads of the same recipe, data (4,928 sequences), size and
-    # steps (1,600): trees of 8 nodes with and without 4 copy candidates, MASK slots (= JetSpec
-    # drafting with this head) and recycled guesses, T=0 and T=1, batch 1.
+    # JetSpec++ against JetSpec, the shipped heads (since session 61 both copy-seeded, 1,600 steps
+    # on round 0 + 1,500 on rounds 0-2): trees of 8 nodes with and without 4 copy candidates,
+    # seeded slots (= JetSpec drafting with this head) and recycled guesses, T=0 and T=1, batch 1.
     config.heads = ml_collections.ConfigDict(
       dict(
         jetspec='assets/jetspec_head_smollm2_135m',
