@@ -8,8 +8,8 @@ transformers' own generate beside them; 9 held-out prompts):
 The budget sweep (8-128 nodes, accum_logp and top2gap, 6 prompts) the configs below start from:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:sweep \
       --workdir=benchmarks/smollm2_135m_sweep
-DSpark against JetSpec and DFlash-style (all three heads: same data, size and steps), batch 1 and
-8, T=0 and T=1:
+DSpark against JetSpec (the shipped heads: same recipe, data, size and steps; DSpark without copy
+seeds), one sequence at a time, T=0 and T=1:
   python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py:dspark \
       --workdir=benchmarks/smollm2_135m_dspark
 JetSpec++ against JetSpec (the shipped heads: same recipe, copy seeds, data, size and steps): trees
@@ -141,10 +141,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.batch_temperatures = (0.0,)
     config.batch_settings = ('ar', 'tree/jetspec/best_first/8', 'tree/jetspec/best_first/16')
   if arg == 'dspark':
-    # DSpark against JetSpec (the shipped heads: 1,600 steps on round 0, DSpark without greedy
-    # 57-58, its calibration shards; re-run in session 50): the JetSpec head's fastest CPU
-    # settings (trees of 8 nodes, with and without 4 copy candidates) beside DSpark's chain
-    # verified whole (threshold 0), cut by its confidences (0.3) and by its scheduler.
+    # DSpark against JetSpec (the shipped heads since session 62: 1,600 steps on round 0 + 1,500
+    # on rounds 0-2, DSpark without greedy 57-58 of round 0, its calibration shards): the JetSpec
+    # head's fastest CPU settings (trees of 8 nodes, with and without 4 copy candidates) beside
+    # DSpark's chain verified whole (threshold 0), cut by its confidences (0.3) and by its scheduler.
     config.heads = ml_collections.ConfigDict(
       dict(
         jetspec='assets/jetspec_head_smollm2_135m',
