@@ -144,7 +144,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # DSpark against JetSpec (the shipped heads since session 62: 1,600 steps on round 0 + 1,500
     # on rounds 0-2, DSpark without greedy 57-58 of round 0, its calibration shards): the JetSpec
     # head's fastest CPU settings (trees of 8 nodes, with and without 4 copy candidates) beside
-    # DSpark's chain verified whole (threshold 0), cut by its confidences (0.3) and by its scheduler.
+    # DSpark's chain verified whole (threshold 0), cut by its confidences (0.3) and by its
+    # scheduler.
     config.heads = ml_collections.ConfigDict(
       dict(
         jetspec='assets/jetspec_head_smollm2_135m',
