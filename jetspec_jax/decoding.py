@@ -386,25 +386,34 @@ def trace_first_round(
   head: draft_head_lib.DraftHead,
   prompt_ids,
   *,
-  method: methods_lib.Tree | None = None,
+  method: methods_lib.Tree | methods_lib.Chain | None = None,
 ) -> RoundTrace:
   """Prefill and the first greedy :func:`~jetspec_jax.methods.tree.speculative_round` of a tree
   ``method``, with every intermediate: the same round ``generate`` runs, so it commits what
   ``generate`` commits first.
   """
+  method = methods_lib.Tree(budget=32, width=4) if method is None else method
+  if not isinstance(method, (methods_lib.Tree, methods_lib.Chain)):
+    raise ValueError(f'trace_first_round traces a Tree or Chain method, got {method!r}')
+  if method.copy_len:
+    raise ValueError("trace_first_round traces the head's own tree (copy_len=0)")
+  method.check_head(head)
   draft_head_lib.check_fits_target(head.cfg, target.cfg)
+  method, _ = method.make_round(target, head)  # a Chain becomes its tree of width 1
   prompt, prompt_len, capacity = _prepare_prompt(
     target, prompt_ids, 1, method.budget + head.cfg.block_size
   )
   sampling = Sampling()
   state = rounds_lib.start_rounds(
-    target, head, prompt, prompt_len, jax.random.key(0), capacity=capacity, sampling=sampling
+    target,
+    head,
+    prompt,
+    prompt_len,
+    jax.random.key(0),
+    capacity=capacity,
+    sampling=sampling,
+    keep_history=method.keeps_history,
   )
-  method = method or methods_lib.Tree(budget=32, width=4)
-  if method.copy_len:
-    raise ValueError("trace_first_round traces the head's own tree (copy_len=0)")
-  method.check_head(head)
-  method.make_round(target, head)
   _, out = tree_method.speculative_round(target, head, state, sampling, method)
   tau = int(out.tau[0])
   return RoundTrace(

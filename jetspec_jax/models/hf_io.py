@@ -273,8 +273,13 @@ DRAFT_VOCAB_TENSORS = ('d2t', 't2d')
 
 
 def draft_vocab_tensors(draft_vocab, vocab_size: int) -> dict[str, np.ndarray]:
-  """``d2t`` / ``t2d`` of sorted draft token ids (EAGLE-3's offsets)."""
-  ids = np.asarray(draft_vocab, np.int64)
+  """``d2t`` / ``t2d`` of draft token ids (EAGLE-3's offsets), stored sorted and once each.
+
+  A head scores its draft ids by token id (the target's LM head rows, a DSpark head's Markov
+  columns), so their order carries nothing and sorting keeps what the head drafts."""
+  ids = np.unique(np.asarray(draft_vocab, np.int64))
+  if len(ids) == 0 or ids[0] < 0 or ids[-1] >= vocab_size:
+    raise ValueError(f'draft_vocab must hold token ids in [0, {vocab_size}), got {len(ids)} ids')
   t2d = np.zeros((vocab_size,), bool)
   t2d[ids] = True
   return dict(d2t=ids - np.arange(len(ids)), t2d=t2d)

@@ -84,5 +84,27 @@ def calibrate(shards, max_ngram: int, depth: int) -> dict:
     anchors=int(len(ngram)),
     no_match=float((ngram == 0).mean()),
     rows=rows,
-    copy_prior=[round(r['first_precision'], 2) for r in rows],
+    copy_prior=copy_prior_from_precisions([r['first_precision'] for r in rows]),
   )
+
+
+PRIOR_FLOOR = 0.01  # the smallest prior at two decimals: Tree(copy_prior=...) takes (0, 1]
+
+
+def copy_prior_from_precisions(precisions) -> list[float]:
+  """``Tree(copy_prior=...)`` from per-match-length first-token precisions (None: no anchor had
+  a match of that length).
+
+  Rounded to two decimals and floored at :data:`PRIOR_FLOOR`, so every entry is a probability
+  ``Tree`` accepts. A length without anchors takes the prior of the nearest shorter length that
+  has some (a longer match is at least as often right), else of the nearest longer one.
+  """
+  known = [i for i, p in enumerate(precisions) if p is not None]
+  if not known:
+    raise ValueError('no anchor had a copy match of any length: nothing to calibrate on')
+  prior = []
+  for i in range(len(precisions)):
+    shorter = [k for k in known if k <= i]
+    source = shorter[-1] if shorter else known[0]
+    prior.append(max(PRIOR_FLOOR, round(float(precisions[source]), 2)))
+  return prior

@@ -26,6 +26,7 @@ import json
 import os
 import pathlib
 import re
+import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -488,9 +489,7 @@ def _pin_feature_meta(features_dir: pathlib.Path, name: str, value, stored, what
   if stored is None:
     # Workers of experiments/build_features.py start together: each writes a whole file under
     # its own temporary name, so none reads another's half-written one.
-    _write_atomically(
-      epath.Path(features_dir / name), json.dumps(value).encode(), f'.{os.getpid()}.tmp'
-    )
+    _write_atomically(epath.Path(features_dir / name), json.dumps(value).encode(), '.tmp')
   elif stored != value:
     raise ValueError(
       f'{features_dir} holds features {what}{stored}, not {value}: use another features directory'
@@ -598,9 +597,17 @@ def _save_rows(path, rows, dtype) -> None:
 
 
 def _write_atomically(path: epath.Path, data: bytes, suffix: str) -> None:
-  tmp = path.with_name(path.name + suffix)
-  tmp.write_bytes(data)
-  tmp.replace(path)
+  """Writes ``data`` to a temporary file of this process's own (process id + random suffix, so
+  concurrent writers never share one) and renames it over ``path``: a reader sees the old file
+  or the whole new one, and of two writers of one path the last rename wins."""
+  tmp = path.with_name(f'{path.name}.{os.getpid()}.{secrets.token_hex(6)}{suffix}')
+  try:
+    tmp.write_bytes(data)
+    tmp.replace(path)
+  except BaseException:
+    if tmp.exists():
+      tmp.unlink()
+    raise
 
 
 def load_shard(path) -> dict[str, np.ndarray]:

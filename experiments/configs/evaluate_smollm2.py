@@ -1,0 +1,65 @@
+"""The public benchmark table of SmolLM2-135M-Instruct and its shipped heads (docs/results.md).
+
+  python -m experiments.evaluate --config=experiments/configs/evaluate_smollm2.py \
+      --workdir=benchmarks/public
+
+Greedy responses of the target to the public prompt sets (jetspec_jax/evaluation/prompt_sets.py)
+up to ``max_new_tokens``, then every drafter x method walked along them
+(jetspec_jax/evaluation/tree_walk.py). ``:tiny``: the small code model, a few prompts (tests).
+"""
+
+import ml_collections
+
+# (set, prompts drawn with ``seed``; None: all of them)
+SAMPLES = (
+  ('gsm8k', 128),
+  ('math500', 128),
+  ('aime2024', None),
+  ('aime2025', None),
+  ('humaneval', None),
+  ('mbpp', 128),
+  ('mtbench', None),  # 80 questions x 2 turns
+  ('alpacaeval', 128),
+)
+
+HEADS = (
+  ('jetspec', 'assets/jetspec_head_smollm2_135m'),
+  ('dflash', 'assets/dflash_head_smollm2_135m'),
+  ('jetspecpp', 'assets/jetspecpp_head_smollm2_135m'),
+  ('dspark', 'assets/dspark_head_smollm2_135m'),
+)
+
+# Method configs (js.methods.from_config) walked for every head that runs them; 'copy' is the
+# copy drafter alone (prompt lookup, no head).
+METHODS = (
+  {'name': 'chain'},
+  {'name': 'tree', 'budget': 8, 'width': 7, 'algorithm': 'best_first'},
+  {'name': 'tree', 'budget': 16, 'width': 7, 'algorithm': 'best_first'},
+  {'name': 'tree', 'budget': 128, 'width': 7, 'algorithm': 'best_first'},
+  {'name': 'tree', 'budget': 128, 'width': 7, 'algorithm': 'accum_logp'},
+)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.target = 'smollm2_135m_instruct'  # a packaged model's name, or a GGUF / HF path
+  config.samples = [list(s) for s in SAMPLES]
+  config.seed = 0
+  config.max_new_tokens = 1024
+  config.batch_size = 8
+  config.heads = [list(h) for h in HEADS]
+  config.methods = [dict(m) for m in METHODS]
+  config.copy_drafter = True  # also walk the copy drafter alone (copy_len = the block)
+  config.copy_ngram = 4
+  config.cache_dir = ''  # the packages' cache ('' -> ~/.cache/jetspec_jax/public_sets)
+  if arg == 'tiny':
+    config.target = 'assets/target_code_small'
+    config.samples = [['humaneval', 2], ['mtbench', 1]]
+    config.max_new_tokens = 24
+    config.batch_size = 2
+    config.heads = [['jetspec', 'assets/jetspec_head_code_small']]
+    config.methods = [
+      {'name': 'chain'},
+      {'name': 'tree', 'budget': 8, 'width': 4, 'algorithm': 'best_first'},
+    ]
+  return config

@@ -1,0 +1,1 @@
+"""Public benchmarks: prompt sets from packages, stored greedy responses, tree walks, results."""
