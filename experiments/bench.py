@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jetspec_jax as js
+from jetspec_jax.evaluation import provenance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,18 +257,7 @@ def envelope(config) -> dict:
   )
 
 
-def cpu_description(cpuinfo: str = '/proc/cpuinfo') -> str:
-  """The CPU's model name and its matrix / bf16 units (``amx_bf16``, ``avx512_bf16``), which
-  decide whether bfloat16-input matmuls pay on it; ``platform.machine()`` where unreadable."""
-  try:
-    text = pathlib.Path(cpuinfo).read_text()
-  except OSError:
-    return platform.machine()
-  fields = [ln.split(':', 1) for ln in text.splitlines() if ':' in ln]
-  model = next((v.strip() for k, v in fields if k.strip() == 'model name'), '')
-  flags = next((v.split() for k, v in fields if k.strip() == 'flags'), [])
-  units = [f for f in ('amx_bf16', 'avx512_bf16') if f in flags]
-  return f'{model or platform.machine()} ({", ".join(units) or "no amx_bf16 / avx512_bf16"})'
+cpu_description = provenance.cpu_description
 
 
 def device_tag() -> str:

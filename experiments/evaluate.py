@@ -6,21 +6,26 @@
 ``responses``: the target's greedy responses (``WORKDIR/responses.jsonl``), generated a batch at
 a time, the sets taken in turn so that an interrupted run covers every set; resumable.
 ``walk``: per prompt and per (drafter, method), the rounds decoding would take along the stored
-response (``WORKDIR/walks.jsonl``, resumable per prompt). ``render``: ``WORKDIR/results.json``
-(summary + provenance) and ``docs/results.md``.
+response (``WORKDIR/walks.jsonl``, resumable per prompt). ``check``: a few walked records
+re-decoded with ``js.generate`` (``WORKDIR/check.json``: same output hash, same rounds).
+``render``: ``WORKDIR/results.json`` (summary + provenance) and ``docs/results.md``.
 """
 
+import json
 import pathlib
+import time
 
 import jax
+import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jetspec_jax as js
-from jetspec_jax.evaluation import prompt_sets, responses
+from jetspec_jax.evaluation import prompt_sets, provenance, report, responses, tree_walk
 from jetspec_jax.models import gguf_io
 
 FLAGS = flags.FLAGS
+STAGES = ('responses', 'walk', 'check', 'render')
 
 
 def load_target(config):
@@ -87,6 +92,171 @@ def run_responses(config, workdir: pathlib.Path) -> None:
     logging.info('responses: %d stored', len(responses.read(path)))
 
 
+def drafter_methods(config, name: str, head) -> list[js.methods.Method]:
+  """The methods a head is walked with: the config's chains and trees (a JetSpec++ head: the
+  same trees as ``JetSpecPP(recycle=False)``; a DSpark head: its threshold rule and the whole
+  chain)."""
+  if head.cfg.kind == 'dspark':
+    return [js.methods.DSpark(), js.methods.DSpark(threshold=0.0)]
+  out = []
+  for m in config.methods:
+    method = js.methods.from_config(dict(m))
+    if head.cfg.kind == 'jetspecpp':
+      budget = head.cfg.block_size if method.name == 'chain' else method.budget
+      width = 1 if method.name == 'chain' else method.width
+      algorithm = 'accum_logp' if method.name == 'chain' else method.algorithm
+      method = js.methods.JetSpecPP(budget=budget, width=width, algorithm=algorithm, recycle=False)
+    out.append(method)
+  return out
+
+
+def copy_method(config, head) -> js.methods.Tree:
+  """The copy drafter alone: a root-only head tree plus a copy branch as deep as the block."""
+  depth = head.cfg.max_depth
+  return js.methods.Tree(budget=depth + 1, width=1, copy_len=depth, copy_ngram=config.copy_ngram)
+
+
+def load_heads(config, target) -> dict:
+  return {name: js.load_draft_head(path, target) for name, path in config.heads}
+
+
+def walk_record(name, head_sha, method, w: tree_walk.Walk, new_tokens: int) -> dict:
+  return dict(
+    drafter=name,
+    head_sha256=head_sha,
+    method=method.to_config(),
+    new_tokens=new_tokens,
+    rounds=w.rounds,
+    tau=round(w.tau, 6),
+    accepted_hist=w.histogram(),
+    capped=w.capped,
+  )
+
+
+def run_walks(config, workdir: pathlib.Path) -> None:
+  target, tok = load_target(config)
+  heads = load_heads(config, target)
+  shas = {name: provenance.weights_sha256(path) for name, path in config.heads}
+  taps = {tuple(h.cfg.target_layer_ids) for h in heads.values()}
+  stored = responses.read(workdir / 'responses.jsonl')
+  path = workdir / 'walks.jsonl'
+  done = responses.read(path)
+  todo = [k for k in stored if k not in done]
+  logging.info('walks: %d prompts to walk, %d walked', len(todo), len(done))
+  first_head = next(iter(heads))
+  for key in todo:
+    r = stored[key]
+    start = time.perf_counter()
+    prompt = responses.prompt_ids(
+      tok, prompt_sets.Prompt(r['benchmark'], r['prompt_id'], tuple(r['messages']))
+    )
+    if responses.ids_sha256(prompt) != r['prompt_sha256']:
+      raise ValueError(f'{key}: the chat template no longer gives the stored prompt')
+    seq = np.concatenate([prompt, np.asarray(r['response'], np.int32)])
+    size = -(-len(seq) // tree_walk.LENGTH_BUCKET) * tree_walk.LENGTH_BUCKET
+    features = argmax = None
+    if len(taps) == 1:
+      features, argmax = tree_walk.sequence_features(
+        target, jax.numpy.asarray(tree_walk.padded(seq, size)), next(iter(taps))
+      )
+    rows, facts = [], {}
+    for name, head in heads.items():
+      methods = drafter_methods(config, name, head)
+      if config.copy_drafter and name == first_head:
+        methods = [*methods, copy_method(config, head)]
+      walks, facts_here = tree_walk.walks(target, head, prompt, r['response'], methods, features)
+      facts.update(facts_here)
+      for m, w in zip(methods, walks, strict=True):
+        drafter = 'copy' if m.name == 'tree' and m.copy_len and m.budget == m.copy_len + 1 else name
+        rows.append(
+          walk_record(drafter, shas[name] if drafter != 'copy' else None, m, w, len(r['response']))
+        )
+    if argmax is not None:
+      stored_tokens = seq[len(prompt) :]
+      predicted = np.asarray(argmax)[len(prompt) - 1 : len(seq) - 1]
+      facts['label_mismatches'] = int(np.sum(stored_tokens != predicted))
+    record = dict(
+      benchmark=r['benchmark'],
+      prompt_id=r['prompt_id'],
+      messages=r['messages'],
+      response_sha256=r['response_sha256'],
+      new_tokens=len(r['response']),
+      stopped=r['stopped'],
+      walk_s=round(time.perf_counter() - start, 2),
+      **facts,
+      walks=rows,
+    )
+    with path.open('a') as f:
+      f.write(json.dumps(record) + '\n')
+
+
+def run_check(config, workdir: pathlib.Path) -> dict:
+  """Re-decodes ``config.check_prompts`` walked records (drawn with ``config.seed``) with
+  ``js.generate``, each with its messages, head and method: tau and the output's sha256 must be
+  the record's. Writes ``check.json``; returns it."""
+  target, tok = load_target(config)
+  heads = load_heads(config, target)
+  walked = sorted(responses.read(workdir / 'walks.jsonl').values(), key=lambda r: r['prompt_id'])
+  walked = sorted(walked, key=lambda r: r['benchmark'])
+  rng = np.random.default_rng(config.seed)
+  chosen = rng.choice(len(walked), min(config.check_prompts, len(walked)), replace=False)
+  first_head = next(iter(heads))
+  rows = []
+  for i in sorted(chosen):
+    rec = walked[int(i)]
+    prompt = responses.prompt_ids(
+      tok, prompt_sets.Prompt(rec['benchmark'], rec['prompt_id'], tuple(rec['messages']))
+    )
+    for w in rec['walks']:
+      head = heads[first_head if w['drafter'] == 'copy' else w['drafter']]
+      method = js.methods.from_config(w['method'])
+      out = js.generate(
+        target,
+        head,
+        prompt,
+        method=method,
+        max_new_tokens=config.max_new_tokens,
+        eos_id=sorted(tok.eos_ids),
+      )
+      rows.append(
+        dict(
+          benchmark=rec['benchmark'],
+          prompt_id=rec['prompt_id'],
+          drafter=w['drafter'],
+          method=w['method'],
+          output_equal=responses.ids_sha256(out.tokens) == rec['response_sha256'],
+          rounds_walk=w['rounds'],
+          rounds_decode=out.stats.rounds,
+          tau_walk=w['tau'],
+          tau_decode=float((len(out.tokens) - 1) / max(out.stats.rounds, 1)),
+        )
+      )
+  result = dict(
+    records=len(rows),
+    outputs_equal=sum(r['output_equal'] for r in rows),
+    rounds_equal=sum(r['rounds_walk'] == r['rounds_decode'] for r in rows),
+    rows=rows,
+  )
+  (workdir / 'check.json').write_text(json.dumps(result, indent=1) + '\n')
+  return result
+
+
+def run_render(config, workdir: pathlib.Path, docs_path) -> None:
+  heads = {name: provenance.weights_sha256(path) for name, path in config.heads}
+  result = report.summarize(
+    responses.read(workdir / 'responses.jsonl').values(),
+    responses.read(workdir / 'walks.jsonl').values(),
+    batch_size=config.batch_size,
+  )
+  result['provenance'] = dict(provenance.record(), heads=heads, config=config.to_dict())
+  check = workdir / 'check.json'
+  if check.exists():
+    result['check'] = {k: v for k, v in json.loads(check.read_text()).items() if k != 'rows'}
+  (workdir / 'results.json').write_text(json.dumps(result, indent=1) + '\n')
+  if docs_path:
+    pathlib.Path(docs_path).write_text(report.render(result, str(workdir)))
+
+
 def main(argv):
   del argv
   config = FLAGS.config
@@ -94,16 +264,23 @@ def main(argv):
   workdir.mkdir(parents=True, exist_ok=True)
   logging.info('JAX %s on %s', jax.__version__, jax.devices())
   stages = [s for s in FLAGS.stages.split(',') if s]
-  unknown = set(stages) - {'responses', 'walk', 'render'}
+  unknown = set(stages) - set(STAGES)
   if unknown:
-    raise app.UsageError(f'unknown stages {sorted(unknown)}: responses, walk, render')
+    raise app.UsageError(f'unknown stages {sorted(unknown)}: {", ".join(STAGES)}')
   if 'responses' in stages:
     run_responses(config, workdir)
+  if 'walk' in stages:
+    run_walks(config, workdir)
+  if 'check' in stages:
+    run_check(config, workdir)
+  if 'render' in stages:
+    run_render(config, workdir, FLAGS.docs)
 
 
 if __name__ == '__main__':
   config_flags.DEFINE_config_file('config', 'experiments/configs/evaluate_smollm2.py', 'Config.')
   flags.DEFINE_string('workdir', None, 'Where responses, walks and results go.')
-  flags.DEFINE_string('stages', 'responses,walk,render', 'Comma-separated stages to run.')
+  flags.DEFINE_string('stages', ','.join(STAGES), 'Comma-separated stages to run.')
+  flags.DEFINE_string('docs', 'docs/results.md', 'Where the rendered table goes ("": nowhere).')
   flags.mark_flags_as_required(['workdir'])
   app.run(main)

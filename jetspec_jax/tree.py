@@ -95,6 +95,23 @@ def check_candidates(topk_ids, topk_logprobs, budget: int) -> None:
     )
 
 
+def distinct_candidates(topk_ids, topk_logprobs):
+  """Each depth's candidates with repeated tokens moved behind the distinct ones (rank order kept
+  otherwise; a repeat scores -inf), and how many distinct tokens each depth has (``int32[D]``).
+
+  Builders add a node's children from the front of its depth's row and never past the distinct
+  count, so no parent gets two children with one token: acceptance follows at most one child
+  (:func:`jetspec_jax.verify.accept` relies on it)."""
+  width = topk_ids.shape[1]
+  rank = jnp.arange(width)
+  earlier = rank[None, :, None] > rank[None, None, :]  # [1, W(this), W(earlier)]
+  repeat = jnp.any((topk_ids[:, :, None] == topk_ids[:, None, :]) & earlier, axis=-1)
+  order = jnp.argsort(repeat, axis=1, stable=True)  # distinct first, in rank order
+  ids = jnp.take_along_axis(topk_ids, order, axis=1)
+  logprobs = jnp.take_along_axis(jnp.where(repeat, -jnp.inf, topk_logprobs), order, axis=1)
+  return ids, logprobs, jnp.sum(~repeat, axis=1).astype(jnp.int32)
+
+
 def root_tree(budget: int, anchor: int | Array) -> Tree:
   """A tree of ``budget`` slots holding only the root (``anchor``, depth 0, score 0)."""
   return Tree(
@@ -151,20 +168,26 @@ def build_with_caps(
   idx = jnp.arange(budget)
   tree = root_tree(budget, anchor)
   popped = jnp.zeros((budget,), bool)
-  caps = jnp.clip(caps, 0, width)
-  logprobs = jnp.asarray(topk_logprobs, jnp.float32)
+  topk_ids, logprobs, distinct = distinct_candidates(
+    topk_ids, jnp.asarray(topk_logprobs, jnp.float32)
+  )
+  caps = jnp.clip(caps, 0, distinct)
 
   def body(_, state):
     tree, popped = state
     # Nodes that cannot get children (max depth, or a zero cap) never enter the frontier.
     expandable = (tree.depths < max_depth) & (caps[jnp.minimum(tree.depths, max_depth - 1)] > 0)
     frontier = (idx < tree.num_nodes) & ~popped & expandable
-    # argmax returns the first maximum: equal scores break ties by creation order (FIFO).
-    v = jnp.argmax(jnp.where(frontier, tree.scores, -jnp.inf))
+    # argmax returns the first maximum: equal scores break ties by creation order (FIFO). A
+    # frontier of -inf (or NaN) scores only must still pop a frontier node, never an expanded
+    # one (index 0 would expand the root twice): scores rank first, frontier membership second.
+    score = jnp.where(frontier & ~jnp.isnan(tree.scores), tree.scores, -jnp.inf)
+    best = jnp.argmax(score)
+    v = jnp.where(frontier[best], best, jnp.argmax(frontier))
     popped = popped.at[v].set(True)
     depth = tree.depths[v]
     row = jnp.minimum(depth, max_depth - 1)
-    count = jnp.where(jnp.any(frontier), jnp.minimum(caps[row], budget - tree.num_nodes), 0)
+    count = jnp.where(frontier[v], jnp.minimum(caps[row], budget - tree.num_nodes), 0)
     rank = jnp.arange(width)
     dst = jnp.where(rank < count, tree.num_nodes + rank, budget)  # out of range: dropped
     tree = tree.replace(
@@ -218,16 +241,20 @@ def best_first(
   topk_ids = jnp.asarray(topk_ids, jnp.int32)
   logprobs = jnp.asarray(topk_logprobs, jnp.float32)
   topk_ids, logprobs = jax.lax.optimization_barrier((topk_ids, logprobs))
+  topk_ids, logprobs, distinct = distinct_candidates(topk_ids, logprobs)
   tree = root_tree(budget, anchor)
   children = jnp.zeros((budget,), jnp.int32)  # children added so far = next candidate's rank
 
   def body(_, state):
     tree, children = state
     row, rank = jnp.minimum(tree.depths, max_depth - 1), jnp.minimum(children, width - 1)
-    open_ = tree.valid() & (tree.depths < max_depth) & (children < width)
-    # argmax returns the first maximum: equal scores break ties by creation order.
+    open_ = tree.valid() & (tree.depths < max_depth) & (children < distinct[row])
+    # argmax returns the first maximum: equal scores break ties by creation order. An open node
+    # wins over a closed one even when every open candidate scores -inf (or NaN).
     candidate = jnp.where(open_, tree.scores + logprobs[row, rank], -jnp.inf)
-    v = jnp.argmax(candidate)
+    candidate = jnp.where(jnp.isnan(candidate), -jnp.inf, candidate)
+    best = jnp.argmax(candidate)
+    v = jnp.where(open_[best], best, jnp.argmax(open_))
     add = open_[v]
     dst = jnp.where(add, tree.num_nodes, budget)  # out of range: dropped
     tree = tree.replace(

@@ -14,10 +14,13 @@ Acceptance walks from the root:
   ``min(1, p/q)``, which is invalid for deterministic top-k drafts).
 """
 
+import contextlib
+import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jetspec_jax import kv_cache as kv_lib
 from jetspec_jax import tree as tree_lib
@@ -88,13 +91,54 @@ def sample_tokens(
   )
 
 
+# Debug checks of the invariants acceptance relies on: set JETSPEC_JAX_CHECKS=1, or trace inside
+# ``with verify.checks():``. Read when a round is traced, so a compiled round keeps its setting.
+_CHECKS = [os.environ.get('JETSPEC_JAX_CHECKS', '') not in ('', '0')]
+
+
+@contextlib.contextmanager
+def checks(enabled: bool = True):
+  """Traces inside the block check acceptance's invariants on device (:func:`accept`)."""
+  saved, _CHECKS[0] = _CHECKS[0], enabled
+  try:
+    yield
+  finally:
+    _CHECKS[0] = saved
+
+
+class InvariantError(RuntimeError):
+  pass
+
+
+def distinct_siblings(tree: tree_lib.Tree) -> Bool[Array, ' B']:
+  """Per tree of a batch: no two real nodes share a parent and a token."""
+  m = tree.tokens.shape[-1]
+  valid = jnp.arange(m)[None] < tree.num_nodes[:, None]
+  same = (tree.parents[:, :, None] == tree.parents[:, None, :]) & (
+    tree.tokens[:, :, None] == tree.tokens[:, None, :]
+  )
+  pair = valid[:, :, None] & valid[:, None, :] & ~jnp.eye(m, dtype=bool)[None]
+  children = (tree.parents >= 0)[:, :, None]  # the root has no siblings
+  return ~jnp.any(same & pair & children, axis=(1, 2))
+
+
+def _raise_unless(ok) -> None:
+  ok = np.asarray(ok)
+  if not ok.all():
+    raise InvariantError(
+      f'tree rows {np.flatnonzero(~ok).tolist()} hold two children of one parent with one token: '
+      'acceptance would follow only one of them and bias sampled output'
+    )
+
+
 def accept(
   tree: tree_lib.Tree, anc: Bool[Array, 'B M M'], choices: Int[Array, 'B M'], max_depth: int
 ) -> Accepted:
   """Longest root path whose every node's token equals its parent's choice.
 
   ``choices`` is the target's argmax (greedy) or its sample (sampled) at every node. Siblings
-  have distinct tokens (accum_logp never duplicates one), so at most one child can match.
+  have distinct tokens (every builder and :func:`jetspec_jax.tree.add_branch` guarantee it; under
+  :func:`checks` a violation raises :class:`InvariantError`), so at most one child can match.
 
   Args:
     tree: trees with a leading batch axis.
@@ -102,6 +146,8 @@ def accept(
     choices: ``[B, M]`` the target's token at every node.
     max_depth: static bound on the tree depth (path length ``max_depth + 1``).
   """
+  if _CHECKS[0]:
+    jax.debug.callback(_raise_unless, distinct_siblings(tree))
   m = tree.tokens.shape[-1]
   valid = jnp.arange(m)[None] < tree.num_nodes[:, None]
   parent_choice = jnp.take_along_axis(choices, jnp.maximum(tree.parents, 0), axis=1)

@@ -446,3 +446,19 @@ def test_a_new_method_plugs_in_without_touching_the_library(target, heads, promp
       js.generate(target, heads['bidirectional'], prompts[0], method=method)
   finally:
     del js.methods.REGISTRY['half_chain_test']
+
+
+def test_trace_first_round_defaults_chain_and_copy_prior(target, heads):
+  """``method=None`` traces the default small tree; a Chain traces its tree of width 1; a
+  copy_prior tree (which reads the committed history) traces and commits what generate does."""
+  head = heads['causal']
+  prompt = np.tile(js.testing.random_ids(4, (5,), VOCAB), 3)
+  assert decoding.trace_first_round(target, head, prompt).tree.size == 32
+  for method in (js.methods.Chain(), js.methods.Tree(budget=12, width=3, copy_prior=(0.5, 0.9))):
+    trace = decoding.trace_first_round(target, head, prompt, method=method)
+    out = js.generate(target, head, prompt, max_new_tokens=12, method=method)
+    committed = [int(trace.tree.tokens[i]) for i in trace.path[1:]] + [trace.bonus]
+    assert out.stats.tau[0] == len(committed)
+    np.testing.assert_array_equal(out.tokens[1 : 1 + len(committed)], committed)
+  with pytest.raises(ValueError, match='Tree or Chain'):
+    decoding.trace_first_round(target, head, prompt, method=js.methods.AR())

@@ -271,3 +271,19 @@ def test_init_from_target_layers_copies_matching_weights(target):
   )  # a training step donates the head's state: it must not alias the target
   with pytest.raises(ValueError, match='target layer ids'):
     js.draft_head.init_from_target_layers(head.params, head.cfg, target.params, (0,))
+
+
+def test_unsorted_draft_vocab_saves_sorted_and_drafts_the_same(target, tmp_path):
+  """A head built with an unsorted (and repeated) draft vocabulary saves it sorted, loads, and
+  drafts exactly as before: the ids are scored by token id, so their order carries nothing."""
+  head = dh.random_draft_head(target, block_size=4, seed=3)
+  head = head.replace(draft_vocab=jnp.array([9, 2, 5, 2, 0], jnp.int32))
+  js.save_draft_head(head, tmp_path / 'h')
+  reloaded = js.load_draft_head(tmp_path / 'h', target)
+  np.testing.assert_array_equal(np.asarray(reloaded.draft_vocab), [0, 2, 5, 9])
+  feats = features(0, 5, head)
+  np.testing.assert_array_equal(
+    np.asarray(reloaded.propose(target, feats, 3)), np.asarray(head.propose(target, feats, 3))
+  )
+  with pytest.raises(ValueError, match='draft_vocab'):
+    js.save_draft_head(head.replace(draft_vocab=jnp.array([-1, 2])), tmp_path / 'bad')

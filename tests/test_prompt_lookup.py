@@ -282,3 +282,18 @@ def test_copy_calibration_counts_right_copies(tmp_path):
   assert rows[4]['anchors'] == 5 and rows[4]['first_precision'] == pytest.approx(4 / 5)
   assert result['copy_prior'] == pytest.approx([1.0, 1.0, 1.0, 0.8])
   assert result['no_match'] == pytest.approx(1 / 9)
+
+
+def test_copy_prior_is_always_a_valid_tree_setting():
+  """Precision 0 floors at 0.01; a match length without anchors takes the nearest shorter
+  length's prior (else the nearest longer one's); every result builds a Tree."""
+  assert copy_calibration.copy_prior_from_precisions([0.0, 0.5, None, 0.904]) == [
+    0.01,
+    0.5,
+    0.5,
+    0.9,
+  ]
+  assert copy_calibration.copy_prior_from_precisions([None, None, 0.7]) == [0.7, 0.7, 0.7]
+  js.methods.Tree(copy_prior=copy_calibration.copy_prior_from_precisions([0.0, None, 0.3]))
+  with pytest.raises(ValueError, match='no anchor'):
+    copy_calibration.copy_prior_from_precisions([None, None])

@@ -244,3 +244,79 @@ def test_tree_build_has_no_data_dependent_loop(builder):
   jaxpr = str(jax.make_jaxpr(fn)(ids, lps))
   assert ' while[' not in jaxpr and 'while_loop' not in jaxpr
   assert tree_lib.max_expansions(255, 7) == 37 and tree_lib.max_expansions(1, 7) == 0
+
+
+def _check_tree(tree, budget, max_depth):
+  """Structural invariants: parents precede children, depths follow parents, no two children of
+  one parent share a token."""
+  n = int(tree.num_nodes)
+  assert 1 <= n <= budget
+  tokens, parents, depths = (np.asarray(x)[:n] for x in (tree.tokens, tree.parents, tree.depths))
+  assert parents[0] == -1 and depths[0] == 0
+  pairs = set()
+  for j in range(1, n):
+    assert 0 <= parents[j] < j
+    assert depths[j] == depths[parents[j]] + 1 <= max_depth
+    assert (parents[j], tokens[j]) not in pairs, f'duplicate sibling at node {j}'
+    pairs.add((parents[j], tokens[j]))
+
+
+def _adversarial_candidates(rng, depth, width, vocab):
+  """Per-depth candidates as a builder may meet them: repeated ids in a row, -inf and NaN
+  scores, huge negative ones that overflow to -inf along a path, all-equal ties."""
+  ids = rng.integers(0, vocab, (depth, width))
+  lps = np.sort(rng.normal(-2.0, 2.0, (depth, width)), axis=1)[:, ::-1].astype(np.float32)
+  kind = rng.integers(0, 6)
+  if kind == 1:
+    lps[rng.random((depth, width)) < 0.5] = -np.inf
+  elif kind == 2:
+    lps[rng.random((depth, width)) < 0.3] = np.nan
+  elif kind == 3:
+    lps[:, 1:] = -0.7 * np.finfo(np.float32).max  # two on a path overflow to -inf
+  elif kind == 4:
+    lps[:] = -1.0
+  elif kind == 5:
+    lps[:] = -np.inf
+  return ids.astype(np.int32), lps
+
+
+@pytest.mark.parametrize('algorithm', sorted(tree_lib.TREE_BUILDERS))
+def test_builders_never_duplicate_siblings(algorithm):
+  """Property: over random and adversarial candidates every builder emits distinct (parent,
+  token) pairs and a well-formed tree."""
+  rng = np.random.default_rng(0)
+  fn = jax.jit(tree_lib.TREE_BUILDERS[algorithm], static_argnames='budget')
+  for depth, width, vocab, budget in [(3, 3, 2, 64), (4, 4, 3, 16), (5, 2, 50, 12), (2, 5, 4, 40)]:
+    for _ in range(12):
+      ids, lps = _adversarial_candidates(rng, depth, width, vocab)
+      _check_tree(fn(ids, lps, budget=budget), budget, depth)
+
+
+def test_all_neg_inf_frontier_pops_a_frontier_node():
+  """Only two draft ids, width 3: the third candidate scores a masked value, two of them on a
+  path overflow to -inf. accum_logp must not expand the root a second time."""
+  ids = np.array([[1, 3, 0]] * 3, np.int32)
+  masked = -0.7 * np.finfo(np.float32).max
+  lps = np.array([[-0.5, -1.0, masked]] * 3, np.float32)
+  tree = build(ids, lps, budget=64, anchor=7)
+  _check_tree(tree, 64, 3)
+  root_children = np.asarray(tree.parents)[: int(tree.num_nodes)] == 0
+  assert root_children.sum() == 3
+
+
+def test_accept_checks_distinct_siblings():
+  """Under verify.checks a tree with two equal siblings is refused; a good one passes."""
+  from jetspec_jax import verify
+
+  good = build(np.array([[1, 2]]), np.log(np.array([[0.6, 0.3]], np.float32)), budget=3)
+  bad = good.replace(tokens=good.tokens.at[2].set(1))
+  batch = lambda t: jax.tree.map(lambda x: x[None], t)
+  anc = tree_lib.ancestor_mask(good.parents, 1)[None]
+  choices = np.zeros((1, 3), np.int32)
+  with verify.checks():
+    verify.accept(batch(good), anc, choices, max_depth=1)
+    with pytest.raises(Exception, match='two children of one parent'):
+      jax.block_until_ready(verify.accept(batch(bad), anc, choices, max_depth=1))
+  assert bool(verify.distinct_siblings(batch(good))[0]) and not bool(
+    verify.distinct_siblings(batch(bad))[0]
+  )

