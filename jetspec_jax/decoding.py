@@ -217,6 +217,7 @@ def _run_ar(target, prompt_list, key, sampling, max_new_tokens, feature_taps=(),
   prompts, lengths, capacity = _prepare_prompts(
     target, prompt_list, max_new_tokens, 0, **shape_kwargs
   )
+  rounds_lib.bound_programs(rounds_lib.ar_loop)
   start = time.perf_counter()
   result = rounds_lib.ar_loop(
     target,
@@ -351,6 +352,7 @@ def generate(
     min_capacity,
   )
   round_data = method.round_data(target, head, len(prompt_list), capacity)
+  rounds_lib.bound_programs(rounds_lib.speculative_loop)
   start = time.perf_counter()
   out, n, taus, rounds, stats = rounds_lib.speculative_loop(
     target,

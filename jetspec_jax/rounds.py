@@ -225,6 +225,22 @@ class RoundOutput:
 Choose = Callable[[tree_lib.Tree, Array, jax.Array], Array]
 
 
+# Each (method, shape bucket, sampling) is one compiled program of a loop, and XLA on a CPU maps
+# every program's code into memory: a long-lived process that compiles thousands of settings runs
+# into the kernel's memory-map limit (vm.max_map_count). :func:`bound_programs` keeps a loop to
+# this many live programs: once it holds that many, the next new one clears them all first (the
+# settings in use compile again on their next call). Set it higher to trade memory for compiles.
+MAX_LIVE_PROGRAMS = 32
+
+
+def bound_programs(loop, limit: int | None = None) -> None:
+  """Clears ``loop``'s compiled programs (a ``jax.jit`` function) when it holds ``limit``
+  (default :data:`MAX_LIVE_PROGRAMS`) or more; ``generate`` calls it before every loop."""
+  limit = MAX_LIVE_PROGRAMS if limit is None else limit
+  if loop._cache_size() >= limit:
+    loop.clear_cache()
+
+
 def start_rounds(
   target: decoder.Target,
   head: draft_head_lib.DraftHead,

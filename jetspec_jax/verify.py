@@ -2,7 +2,8 @@
 
 The target runs once over all tree nodes: node ``j`` sits at position ``P + depth[j]``, is written
 to cache slot ``P + j``, and attends to every committed slot ``< P`` plus its ancestors-or-self in
-the tree. Its logits and taps are then exactly those of the linear sequence along its path.
+the tree. Its logits and taps are then those of the linear sequence along its path (up to float
+rounding: the sums run in another order, docs/design.md §5).
 
 Acceptance walks from the root:
 

@@ -302,8 +302,8 @@ class Target:
     """The same target whose prompt forward (prefill) runs in ``compute_dtype`` (``'float32'``,
     ``'bfloat16'``, ``'bfloat16x2'``; None: as every other forward). For a bfloat16x2 target,
     ``'bfloat16'`` rounds the prefill's inputs once, faster on a CPU with AMX (docs/benchmarks.md
-    §2b), and greedy speculative decoding still equals this target's AR, which reads the same
-    prefill."""
+    §2b), and greedy speculative decoding still equals this target's AR (up to float near-ties,
+    docs/design.md §5), which reads the same prefill."""
     matmul.resolve(compute_dtype)  # a bad name fails here
     return self.replace(prefill_compute_dtype=compute_dtype)
 
@@ -321,8 +321,10 @@ class Target:
 
     ``split_inputs`` (bfloat16 only): each projection's input is the sum of two bfloat16 halves
     (:data:`~jetspec_jax.models.matmul.SPLIT`) instead of one rounding, so that greedy
-    speculative decoding of this target keeps equal to its AR (measured; the float32 target's
-    is by test)."""
+    speculative decoding of this target keeps equal to its AR on the measured prompts. Like the
+    float32 target's, that equality holds up to float near-ties (docs/design.md §5); a verify's
+    logits differ from a decode step's by ~1e-5 here against ~1e-6 in float32, so ties flip
+    more often."""
     compute_dtype = matmul.resolve(weight_dtype)  # a bad name fails here; float32 -> None
     dtype = jnp.dtype(weight_dtype)
     if split_inputs and dtype != jnp.bfloat16:
