@@ -5,6 +5,8 @@
 
 ``responses``: the target's greedy responses (``WORKDIR/responses.jsonl``), generated a batch at
 a time, the sets taken in turn so that an interrupted run covers every set; resumable.
+``contamination``: every prompt of the sets against the committed training data (exact and
+13-gram overlap, ``WORKDIR/contamination.json``); overlapping prompts are left out of the table.
 ``walk``: per prompt and per (drafter, method), the rounds decoding would take along the stored
 response (``WORKDIR/walks.jsonl``, resumable per prompt). ``check``: a few walked records
 re-decoded with ``js.generate`` (``WORKDIR/check.json``: same output hash, same rounds).
@@ -21,11 +23,18 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jetspec_jax as js
-from jetspec_jax.evaluation import prompt_sets, provenance, report, responses, tree_walk
+from jetspec_jax.evaluation import (
+  contamination,
+  prompt_sets,
+  provenance,
+  report,
+  responses,
+  tree_walk,
+)
 from jetspec_jax.models import gguf_io
 
 FLAGS = flags.FLAGS
-STAGES = ('responses', 'walk', 'check', 'render')
+STAGES = ('contamination', 'responses', 'walk', 'check', 'render')
 
 
 def load_target(config):
@@ -62,6 +71,31 @@ def interleaved(streams: dict[str, list], chunk: int) -> list:
       out += items[at : at + chunk]
     at += chunk
   return out
+
+
+def run_contamination(config, workdir: pathlib.Path) -> dict:
+  """Overlap of every prompt of the sets (all of each, not only the drawn ones) with the committed
+  training data: its prompts (exact or 13-gram) and its responses (13-gram). Writes
+  ``contamination.json``; the summary excludes overlapping prompts and counts them."""
+  _, tok = load_target(config)
+  shards = sorted(pathlib.Path(config.training_data).rglob('shard_*.npz'))
+  prompts = contamination.Index(contamination.training_prompts(tok, shards))
+  answers = contamination.Index(contamination.training_responses(tok, shards))
+  sets = {name: prompt_sets.load(name, config.cache_dir or None) for name, _ in config.samples}
+  if 'mtbench' in sets:  # the second turns' own text is checked too
+    first = {p.prompt_id: '' for p in sets['mtbench']}
+    sets['mtbench'] = sets['mtbench'] + prompt_sets.second_turns(first, config.cache_dir or None)
+  result = dict(
+    training_data=config.training_data,
+    shards=len(shards),
+    training_prompts=prompts.count,
+    training_responses=answers.count,
+    ngram=contamination.NGRAM,
+    against_prompts=contamination.report(prompts, sets),
+    against_responses=contamination.report(answers, sets),
+  )
+  (workdir / 'contamination.json').write_text(json.dumps(result, indent=1) + '\n')
+  return result
 
 
 def run_responses(config, workdir: pathlib.Path) -> None:
@@ -243,10 +277,13 @@ def run_check(config, workdir: pathlib.Path) -> dict:
 
 def run_render(config, workdir: pathlib.Path, docs_path) -> None:
   heads = {name: provenance.weights_sha256(path) for name, path in config.heads}
+  overlap = workdir / 'contamination.json'
+  overlap = json.loads(overlap.read_text()) if overlap.exists() else None
   result = report.summarize(
     responses.read(workdir / 'responses.jsonl').values(),
     responses.read(workdir / 'walks.jsonl').values(),
     batch_size=config.batch_size,
+    contamination=overlap,
   )
   result['provenance'] = dict(provenance.record(), heads=heads, config=config.to_dict())
   check = workdir / 'check.json'
@@ -267,6 +304,8 @@ def main(argv):
   unknown = set(stages) - set(STAGES)
   if unknown:
     raise app.UsageError(f'unknown stages {sorted(unknown)}: {", ".join(STAGES)}')
+  if 'contamination' in stages:
+    run_contamination(config, workdir)
   if 'responses' in stages:
     run_responses(config, workdir)
   if 'walk' in stages:

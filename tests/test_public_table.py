@@ -129,3 +129,20 @@ def test_pipeline_on_smollm2_walk_equals_generate(smollm2, tmp_path):
   evaluate.run_render(config, tmp_path, tmp_path / 'results.md')
   text = (tmp_path / 'results.md').read_text()
   assert '| jetspec | tree 8 best_first |' in text and 'same output hash' in text
+
+
+def test_overlap_index_finds_exact_and_13_gram_copies():
+  from jetspec_jax.evaluation import contamination
+
+  text = 'one two three four five six seven eight nine ten eleven twelve thirteen fourteen'
+  index = contamination.Index([text, 'Short prompt.'])
+  assert index.check('SHORT prompt') == 'exact'
+  assert (
+    index.check(
+      'Before: two three four five six seven eight nine ten eleven twelve thirteen fourteen!'
+    )
+    == '13-gram'
+  )
+  assert (
+    index.check('three four five six seven eight nine ten eleven twelve thirteen fourteen') is None
+  )

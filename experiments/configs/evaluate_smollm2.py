@@ -51,6 +51,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.methods = [dict(m) for m in METHODS]
   config.copy_drafter = True  # also walk the copy drafter alone (copy_len = the block)
   config.copy_ngram = 4
+  config.training_data = 'data/smollm2_135m/data'  # checked for overlap with the prompts
   config.cache_dir = ''  # the packages' cache ('' -> ~/.cache/jetspec_jax/public_sets)
   config.check_prompts = 8  # records re-decoded with js.generate by the 'check' stage
   if arg == 'tiny':  # a few short responses, one head (tests)

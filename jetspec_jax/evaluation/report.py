@@ -33,17 +33,40 @@ def method_label(method: dict) -> str:
   return name
 
 
-def summarize(response_records, walk_records, batch_size: int = 1) -> dict:
+def overlapping(contamination: dict | None) -> dict[str, set[str]]:
+  """Per set, the prompt ids that overlap the training data (prompts or responses)."""
+  out = {}
+  for part in ('against_prompts', 'against_responses'):
+    for name, r in (contamination or {}).get(part, {}).items():
+      out.setdefault(name, set()).update(r['overlapping'])
+  return out
+
+
+def summarize(
+  response_records, walk_records, batch_size: int = 1, contamination: dict | None = None
+) -> dict:
   """Per benchmark and (drafter, method): pooled tau (committed tokens / rounds), the spread of
   per-prompt tau, the share of rounds capped by the head's block, the pooled histogram of
   accepted drafts; and per benchmark the prompts, tokens and stops, and the seconds spent
   (generation: each batch's wall time shared by its ``batch_size`` rows; walks)."""
-  walks = sorted(walk_records, key=lambda r: (r['benchmark'], r['prompt_id']))
+  excluded = overlapping(contamination)
+  # An MT-Bench second turn goes with its question: '81-2' is excluded when '81-1' or it overlaps.
+  dropped = lambda r: (
+    r['prompt_id'] in excluded.get(r['benchmark'], ())
+    or (r['benchmark'] == 'mtbench' and r['prompt_id'][:-1] + '1' in excluded.get('mtbench', ()))
+  )
+  walks = sorted(
+    (r for r in walk_records if not dropped(r)), key=lambda r: (r['benchmark'], r['prompt_id'])
+  )
   sets = {}
   for r in response_records:
-    s = sets.setdefault(
-      r['benchmark'], dict(prompts=0, new_tokens=0, stopped=0, walked=0, generate_s=0.0, walk_s=0.0)
-    )
+    if dropped(r):
+      sets.setdefault(r['benchmark'], {}).setdefault('excluded', 0)
+      sets[r['benchmark']]['excluded'] += 1
+      continue
+    s = sets.setdefault(r['benchmark'], {})
+    for key in ('prompts', 'new_tokens', 'stopped', 'walked', 'generate_s', 'walk_s', 'excluded'):
+      s.setdefault(key, 0)
     s['prompts'] += 1
     s['generate_s'] += r.get('batch_wall_s', 0.0) / batch_size
     s['new_tokens'] += len(r['response'])
@@ -83,7 +106,22 @@ def summarize(response_records, walk_records, batch_size: int = 1) -> dict:
   for row in rows.values():
     taus = [v['tau'] for v in row['sets'].values() if v['tau'] is not None]
     row['mean_over_sets'] = float(np.mean(taus)) if taus else None
-  return dict(sets=sets, rows=list(rows.values()), not_on_index=list(prompt_sets.NOT_ON_INDEX))
+  checked = None
+  if contamination:
+    checked = {
+      part: {n: {k: v for k, v in r.items() if k != 'overlapping'} for n, r in sets_.items()}
+      for part, sets_ in contamination.items()
+      if part.startswith('against_')
+    }
+    checked['training'] = {
+      k: contamination[k] for k in ('training_data', 'shards', 'training_prompts', 'ngram')
+    }
+  return dict(
+    sets=sets,
+    rows=list(rows.values()),
+    not_on_index=list(prompt_sets.NOT_ON_INDEX),
+    contamination=checked,
+  )
 
 
 def _fmt(x, spec='.2f'):
@@ -112,16 +150,31 @@ def render(result: dict, source: str) -> str:
     '',
     '## Prompts',
     '',
-    '| set | prompts | walked | new tokens | mean tokens | stopped | label near-ties |',
-    '|---|---|---|---|---|---|---|',
+    '| set | prompts | walked | new tokens | mean tokens | stopped | label near-ties | '
+    'excluded (overlap) |',
+    '|---|---|---|---|---|---|---|---|',
   ]
   for b in present:
     s = result['sets'][b]
     lines.append(
       f'| {b} | {s["prompts"]} | {s["walked"]} | {s["new_tokens"]} | '
       f'{s["new_tokens"] / max(s["prompts"], 1):.0f} | {s["stopped"]} | '
-      f'{s.get("label_mismatches", 0)} |'
+      f'{s.get("label_mismatches", 0)} | {s.get("excluded", 0)} |'
     )
+  overlap = result.get('contamination')
+  if overlap:
+    training = overlap['training']
+    counts = []
+    for name, r in overlap['against_prompts'].items():
+      a = overlap['against_responses'][name]
+      counts.append(f'{name} {r["exact"]} / {r["ngram"]} / {a["ngram"]} of {r["prompts"]}')
+    lines += [
+      '',
+      f'Overlap with the training data (`{training["training_data"]}`, {training["shards"]} '
+      f'shards, {training["training_prompts"]} prompts), every prompt of each set: exact / '
+      f'{training["ngram"]}-gram with a training prompt / {training["ngram"]}-gram with a training '
+      f'response: {"; ".join(counts)} (`contamination.json`).',
+    ]
   gen = sum(s['generate_s'] for s in result['sets'].values()) / 3600
   walked = sum(s['walk_s'] for s in result['sets'].values()) / 3600
   lines += [
