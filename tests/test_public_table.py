@@ -75,8 +75,8 @@ def test_summary_pools_rounds_and_renders_every_cell():
     ),
   ]
   resp = [
-    dict(benchmark='gsm8k', response=[0] * 13, stopped=True, batch_wall_s=4.0),
-    dict(benchmark='gsm8k', response=[0] * 3, stopped=False, batch_wall_s=4.0),
+    dict(benchmark='gsm8k', prompt_id='1', response=[0] * 13, stopped=True, batch_wall_s=4.0),
+    dict(benchmark='gsm8k', prompt_id='2', response=[0] * 3, stopped=False, batch_wall_s=4.0),
   ]
   result = report.summarize(resp, walks, batch_size=2)
   cell = result['rows'][0]['sets']['gsm8k']
@@ -87,6 +87,12 @@ def test_summary_pools_rounds_and_renders_every_cell():
   text = report.render(result, 'somewhere')
   assert '| jetspec | chain | 2.80 | 2.80 |' in text
   assert report.method_label({'name': 'tree', 'budget': 8, 'width': 1, 'copy_len': 7}) == 'copy 7'
+  overlap = {
+    'against_prompts': {'gsm8k': {'prompts': 2, 'exact': 1, 'ngram': 0, 'overlapping': ['2']}}
+  }
+  left = report.summarize(resp, walks, batch_size=2, contamination=overlap)
+  assert left['rows'][0]['sets']['gsm8k']['tau'] == pytest.approx(4.0)  # prompt 2 left out
+  assert left['sets']['gsm8k']['excluded'] == 1 and left['sets']['gsm8k']['prompts'] == 1
 
 
 def test_docs_results_is_the_rendered_result_file():

@@ -114,7 +114,7 @@ def summarize(
       if part.startswith('against_')
     }
     checked['training'] = {
-      k: contamination[k] for k in ('training_data', 'shards', 'training_prompts', 'ngram')
+      k: contamination.get(k) for k in ('training_data', 'shards', 'training_prompts', 'ngram')
     }
   return dict(
     sets=sets,
@@ -166,8 +166,8 @@ def render(result: dict, source: str) -> str:
     training = overlap['training']
     counts = []
     for name, r in overlap['against_prompts'].items():
-      a = overlap['against_responses'][name]
-      counts.append(f'{name} {r["exact"]} / {r["ngram"]} / {a["ngram"]} of {r["prompts"]}')
+      a = overlap.get('against_responses', {}).get(name, {})
+      counts.append(f'{name} {r["exact"]} / {r["ngram"]} / {a.get("ngram", "?")} of {r["prompts"]}')
     lines += [
       '',
       f'Overlap with the training data (`{training["training_data"]}`, {training["shards"]} '
