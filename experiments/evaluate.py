@@ -151,13 +151,18 @@ def copy_method(config, head) -> js.methods.Tree:
 
 
 def load_heads(config, target) -> dict:
-  return {name: js.load_draft_head(path, target) for name, path in config.heads}
+  """The config's heads, drafting in ``config.head_compute_dtype``."""
+  return {
+    name: js.load_draft_head(path, target).with_compute_dtype(config.head_compute_dtype or None)
+    for name, path in config.heads
+  }
 
 
-def walk_record(name, head_sha, method, w: tree_walk.Walk, new_tokens: int) -> dict:
+def walk_record(name, head, head_sha, method, w: tree_walk.Walk, new_tokens: int) -> dict:
   return dict(
     drafter=name,
     head_sha256=head_sha,
+    head_compute_dtype=head.compute_dtype,
     method=method.to_config(),
     new_tokens=new_tokens,
     rounds=w.rounds,
@@ -203,7 +208,9 @@ def run_walks(config, workdir: pathlib.Path) -> None:
       for m, w in zip(methods, walks, strict=True):
         drafter = 'copy' if m.name == 'tree' and m.copy_len and m.budget == m.copy_len + 1 else name
         rows.append(
-          walk_record(drafter, shas[name] if drafter != 'copy' else None, m, w, len(r['response']))
+          walk_record(
+            drafter, head, shas[name] if drafter != 'copy' else None, m, w, len(r['response'])
+          )
         )
     if argmax is not None:
       stored_tokens = seq[len(prompt) :]

@@ -22,6 +22,9 @@ def _heads(target):
     'seeded': rand(target, block_size=5, seed=3, copy_seed=2, scale=3.0),
     'jetspecpp': rand(target, block_size=5, seed=4, refine=True, copy_seed=2, scale=3.0),
     'dspark': rand(target, block_size=5, seed=5, markov_rank=4, scale=3.0),
+    # Drafting with bfloat16-input projections (the public table's setting): walk and decoding
+    # draft in the same precision.
+    'jetspec_bf16': rand(target, block_size=5, seed=1, scale=3.0).with_compute_dtype('bfloat16'),
   }
 
 
@@ -36,6 +39,7 @@ METHODS = {
   'dflash': [js.methods.Chain(), js.methods.Tree(budget=16, width=3, algorithm='top2gap')],
   'seeded': [js.methods.Chain(copy_len=2), js.methods.Tree(budget=10, width=3, depth_bonus=0.5)],
   'jetspecpp': [js.methods.JetSpecPP(budget=10, width=3, recycle=False)],
+  'jetspec_bf16': [js.methods.Chain(), js.methods.Tree(budget=16, width=4, algorithm='best_first')],
   'dspark': [js.methods.DSpark(threshold=0.0), js.methods.DSpark(threshold=0.4)],
 }
 

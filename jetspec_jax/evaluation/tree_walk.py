@@ -27,6 +27,7 @@ from jetspec_jax import verify as verify_lib
 from jetspec_jax.methods import dspark as dspark_lib
 from jetspec_jax.methods import tree as tree_method
 from jetspec_jax.models import draft_head as dh
+from jetspec_jax.models import matmul
 from jetspec_jax.training import blocks as blocks_lib
 from jetspec_jax.training import head_trainer
 
@@ -132,7 +133,8 @@ def accepted_at_anchors(
   )
   if cfg.copy_seed:
     blk = blocks_lib.copy_seeded_blocks(blk, tokens, cfg.copy_seed)
-  context_kv = head_trainer.head_context_kv(head.params, cfg, features)
+  compute_dtype = matmul.resolve(head.compute_dtype)  # drafting's own precision (decode's too)
+  context_kv = head_trainer.head_context_kv(head.params, cfg, features, compute_dtype)
   pad = -seq_len % chunk
   grouped = jax.tree.map(
     lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape((-1, chunk) + x.shape[1:]),
@@ -144,7 +146,7 @@ def accepted_at_anchors(
   def one_chunk(args):
     b, pos = args
     out = head_trainer.head_blocks_on_context(
-      head.params, cfg, target, context_kv, b, features.dtype, None
+      head.params, cfg, target, context_kv, b, features.dtype, compute_dtype
     )
     anchor = tokens[pos].astype(jnp.int32)
     rows = []
