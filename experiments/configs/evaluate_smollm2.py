@@ -46,7 +46,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.samples = [list(s) for s in SAMPLES]
   config.seed = 0
   config.max_new_tokens = 1024
-  config.batch_size = 8
+  config.batch_size = 16  # responses generated together (a batch runs to its longest)
   config.heads = [list(h) for h in HEADS]
   config.methods = [dict(m) for m in METHODS]
   # Heads draft with bfloat16-input projections (DraftHead.with_compute_dtype): the draft scores

@@ -48,7 +48,8 @@ def summarize(
   """Per benchmark and (drafter, method): pooled tau (committed tokens / rounds), the spread of
   per-prompt tau, the share of rounds capped by the head's block, the pooled histogram of
   accepted drafts; and per benchmark the prompts, tokens and stops, and the seconds spent
-  (generation: each batch's wall time shared by its ``batch_size`` rows; walks)."""
+  (generation: each batch's wall time shared by its rows, ``batch_size`` where a record does
+  not say; walks)."""
   excluded = overlapping(contamination)
   # An MT-Bench second turn goes with its question: '81-2' is excluded when '81-1' or it overlaps.
   dropped = lambda r: (
@@ -68,7 +69,7 @@ def summarize(
     for key in ('prompts', 'new_tokens', 'stopped', 'walked', 'generate_s', 'walk_s', 'excluded'):
       s.setdefault(key, 0)
     s['prompts'] += 1
-    s['generate_s'] += r.get('batch_wall_s', 0.0) / batch_size
+    s['generate_s'] += r.get('batch_wall_s', 0.0) / r.get('batch_rows', batch_size)
     s['new_tokens'] += len(r['response'])
     s['stopped'] += int(r['stopped'])
   cells = {}
@@ -179,8 +180,8 @@ def render(result: dict, source: str) -> str:
   walked = sum(s['walk_s'] for s in result['sets'].values()) / 3600
   lines += [
     '',
-    f'Time on this machine: {gen:.1f} h generating the responses (batches of '
-    f'{prov.get("config", {}).get("batch_size", "?")}), {walked:.1f} h walking them.',
+    f'Time on this machine: {gen:.1f} h generating the responses (batched AR; a batch runs to '
+    f'its longest response), {walked:.1f} h walking them.',
   ]
   check = result.get('check')
   if check:

@@ -84,6 +84,7 @@ def generate(
         response_sha256=ids_sha256(response),
         stopped=bool(response and response[-1] in tok.eos_ids),
         batch_wall_s=round(wall, 3),
+        batch_rows=len(batch),
       )
       new.append(record)
       lines.append(json.dumps(record) + '\n')

@@ -375,6 +375,7 @@ class ShardClaim:
   def __enter__(self) -> bool:
     if not self._local():
       return True
+    self.claim.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(2):
       try:
         fd = os.open(os.fspath(self.claim), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
