@@ -6,14 +6,16 @@ Writes token shards to ``config.data.dir`` (or DIR/data); re-running skips finis
 """
 
 import functools
+import json
 import pathlib
+import random
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jetspec_jax import sharding
-from jetspec_jax.training import chat_data
+from jetspec_jax.training import chat_data, public_chat
 from jetspec_jax.training import data as data_lib
 from jetspec_jax.training import head_trainer as train_lib
 
@@ -25,6 +27,8 @@ def run(config, workdir: str) -> list[pathlib.Path]:
   target = train_lib.load_target_from_config(config.target, mesh)
   train_lib.head_config(config.head, target.cfg)  # the head must fit the target: before the data
   train_lib.save_resolved_config(config, workdir, 'generate_config.json')
+  if config.data.prompts == 'public_chat':  # ShareGPT + Alpaca conversations, every turn
+    return generate_public_chat(config, target, pathlib.Path(config.data.dir or workdir))
   if config.data.prompts == 'chat_mix':  # an instruct target: prompts made offline, 2 stages
     tokenizer = chat_data.tokenizer_for(config.target)
     data_dir, counts = chat_data.generate_chat_dataset(config, target, tokenizer, workdir)
@@ -36,6 +40,36 @@ def run(config, workdir: str) -> list[pathlib.Path]:
     config.data.dir or pathlib.Path(workdir) / 'data',
     functools.partial(chat_data.tokenizer_for, config.target),
   )
+
+
+def generate_public_chat(config, target, data_dir: pathlib.Path) -> list[pathlib.Path]:
+  """The filtered conversations in a seeded order (a partial dataset is a random sample of them),
+  their selection counts in ``data_dir/selection.json``, then every turn answered."""
+  tokenizer = chat_data.tokenizer_for(config.target)
+  conversations = public_chat.sharegpt() + public_chat.alpaca_demo()
+  kept, counts = public_chat.select(
+    conversations, eval_index=public_chat.eval_index(), max_turns=config.data.max_turns
+  )
+  random.Random(config.seed).shuffle(kept)
+  data_dir.mkdir(parents=True, exist_ok=True)
+  (data_dir / 'selection.json').write_text(json.dumps(counts, indent=1) + '\n')
+  logging.info('public chat: %s', counts)
+  public_chat.generate(
+    target,
+    tokenizer,
+    kept,
+    data_dir,
+    max_turns=config.data.max_turns,
+    shard_size=config.data.shard_size,
+    batch_size=config.data.generate_batch,
+    max_new_tokens=config.data.max_new_tokens,
+    max_prompt_len=config.data.max_prompt_len,
+    sampled_every=config.data.sampled_every,
+    temperature=config.data.temperature,
+    top_p=config.data.top_p,
+    seed=config.seed,
+  )
+  return sorted(data_dir.rglob('shard_*.npz'))
 
 
 def main(argv):

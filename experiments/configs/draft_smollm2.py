@@ -175,6 +175,19 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     # guesses leave empty with copy candidates (not trained yet)
     config.head.update(refine=True, copy_seed=0)
     config.eval.method = ml_collections.ConfigDict(dict(name='jetspecpp', budget=32, width=7))
+  if arg == 'public_chat':
+    # Data from prompts people send (jetspec_jax/training/public_chat.py; card:
+    # data/public_chat/README.md): ShareGPT and Alpaca user turns, up to 3 turns a conversation,
+    # each answered by the target after its own earlier answers, responses of up to 1,024 tokens.
+    config.data.update(
+      prompts='public_chat',
+      dir='data/public_chat',
+      max_turns=3,
+      max_prompt_len=2048,
+      max_new_tokens=1024,
+      max_len=3072,
+      generate_batch=16,
+    )
   if arg == 'tiny':  # a smoke test of the pipeline (tests)
     config.data.update(
       num_instructions=4,

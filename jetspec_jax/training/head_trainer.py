@@ -821,7 +821,7 @@ def head_config(head_config, target_cfg: decoder.DecoderConfig) -> dh.DraftHeadC
   return cfg
 
 
-PROMPT_SOURCES = ('random', 'stdlib_functions', 'chat_mix')  # else a JSON-lines file
+PROMPT_SOURCES = ('random', 'stdlib_functions', 'chat_mix', 'public_chat')  # else a JSON-lines file
 
 
 def check_config(config) -> None:
