@@ -157,8 +157,14 @@ def accepted_at_anchors(
         cache=types.SimpleNamespace(lengths=pos),
         anchor=anchor,
       )
+      # One top-k per copy-prior setting, at the widest width: a narrower tree reads its first
+      # columns (the method's own candidates, tree_method.tree_candidates).
+      widest = max(s.width for s in settings)
+      candidates = {}
       for s in settings:
-        tree, _ = tree_method.draft_tree(draft_logits, state, s)
+        if s.copy_prior not in candidates:
+          candidates[s.copy_prior] = tree_method.tree_candidates(draft_logits, state, s, widest)
+        tree, _ = tree_method.build_tree(*candidates[s.copy_prior], state, s)
         anc = jax.vmap(lambda p: tree_lib.ancestor_mask(p, cfg.max_depth))(tree.parents)
         choices = nxt[jnp.clip(pos[:, None] + tree.depths, 0, seq_len - 1)]
         rows.append(verify_lib.accept(tree, anc, choices, cfg.max_depth).num_accepted)

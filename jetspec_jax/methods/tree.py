@@ -247,6 +247,16 @@ def draft_tree(
 ) -> tuple[tree_lib.Tree, Array | None]:
   """The round's trees ``[B, budget]`` from per-depth logits ``[B, D, V]``, and with copy
   candidates (``settings.copy_len > 0``) which nodes they added (``bool[B, budget]``)."""
+  ids, logprobs = tree_candidates(draft_logits, state, settings)
+  return build_tree(ids, logprobs, state, settings)
+
+
+def tree_candidates(
+  draft_logits: Array, state: rounds_lib.RoundState, settings: Tree, width: int | None = None
+) -> tuple[Array, Array]:
+  """Each depth's top candidates ``[B, D, width]`` (ids, log-probabilities; ``width`` defaults
+  to the settings'), copy priors merged in. Their first ``w`` columns are the top ``w`` (a
+  caller may share one top-k among trees of several widths)."""
   if settings.copy_prior:
     if state.history is None:
       raise ValueError('copy candidates need RoundState.history (start_rounds(keep_history=True))')
@@ -255,7 +265,15 @@ def draft_tree(
     draft_logits = jax.vmap(merge)(logprobs, state.history, state.cache.lengths)
   # Merged copy candidates are not renormalised: each keeps the probability it was given.
   normalize = not settings.copy_prior
-  ids, logprobs = tree_lib.topk_per_depth(draft_logits, settings.width, normalize=normalize)
+  return tree_lib.topk_per_depth(draft_logits, width or settings.width, normalize=normalize)
+
+
+def build_tree(
+  ids: Array, logprobs: Array, state: rounds_lib.RoundState, settings: Tree
+) -> tuple[tree_lib.Tree, Array | None]:
+  """:func:`draft_tree` from the candidates :func:`tree_candidates` gives (the settings' width
+  of them is read)."""
+  ids, logprobs = ids[..., : settings.width], logprobs[..., : settings.width]
   if settings.depth_bonus:
     logprobs = logprobs + settings.depth_bonus
   head_budget = settings.budget - settings.copy_len
