@@ -8,8 +8,8 @@ import pathlib
 import numpy as np
 import pytest
 
-import jetspec_jax as js
 from jetspec_jax.evaluation import prompt_sets, report, responses
+from tests.test_smollm2 import smollm2  # noqa: F401 (the real model, or a skip)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -104,16 +104,7 @@ def test_docs_results_is_the_rendered_result_file():
   assert (ROOT / 'docs' / 'results.md').read_text() == expected
 
 
-@pytest.fixture(scope='module')
-def smollm2():
-  try:
-    path = js.gguf_io.smollm2_135m_instruct_path()
-  except FileNotFoundError as e:
-    pytest.skip(str(e))
-  return path
-
-
-def test_pipeline_on_smollm2_walk_equals_generate(smollm2, tmp_path):
+def test_pipeline_on_smollm2_walk_equals_generate(smollm2, tmp_path):  # noqa: F811
   """The ``:tiny`` evaluation end to end on the real model: responses (MT-Bench's second turn
   after the first answer), walks, and every walked record re-decoded by ``js.generate`` with its
   messages, head and method gives the stored output and the walk's rounds."""

@@ -126,13 +126,8 @@ def accepted_at_anchors(
   """
   cfg = head.cfg
   seq_len = tokens.shape[0]
-  valid = blocks_lib.valid_anchor_positions(loss_mask, length)
+  blk, valid = blocks_lib.every_anchor_blocks(cfg, tokens, loss_mask, length)
   anchors = jnp.arange(seq_len, dtype=jnp.int32)
-  blk = blocks_lib.blocks_at(
-    anchors, valid, tokens, loss_mask, length, cfg.block_size, cfg.mask_token_id
-  )
-  if cfg.copy_seed:
-    blk = blocks_lib.copy_seeded_blocks(blk, tokens, cfg.copy_seed)
   compute_dtype = matmul.resolve(head.compute_dtype)  # drafting's own precision (decode's too)
   context_kv = head_trainer.head_context_kv(head.params, cfg, features, compute_dtype)
   pad = -seq_len % chunk

@@ -128,6 +128,19 @@ def blocks_at(anchors, keep, tokens, loss_mask, length, block_size: int, mask_to
   )
 
 
+def every_anchor_blocks(cfg, tokens, loss_mask, length):
+  """The block drafting reads at every position of one stored sequence (a copy-seeded head's
+  slots hold its seeds), and which positions are valid anchors: ``(blocks [L, bs], valid [L])``.
+  What the teacher-forced walks over a sequence read (``training/walk.py``,
+  ``evaluation/tree_walk.py``)."""
+  valid = valid_anchor_positions(loss_mask, length)
+  anchors = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+  blk = blocks_at(anchors, valid, tokens, loss_mask, length, cfg.block_size, cfg.mask_token_id)
+  if cfg.copy_seed:
+    blk = copy_seeded_blocks(blk, tokens, cfg.copy_seed)
+  return blk, valid
+
+
 def copy_seeded_blocks(clean: Blocks, tokens: Int[Array, ' L'], max_ngram: int) -> Blocks:
   """The blocks of a copy-seeded head (``DraftHeadConfig.copy_seed``): slot ``i`` of the block
   anchored at ``a`` holds the ``i``-th token of the context's copy candidates
