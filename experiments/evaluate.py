@@ -232,13 +232,15 @@ def run_walks(config, workdir: pathlib.Path) -> None:
 
 
 def run_check(config, workdir: pathlib.Path) -> dict:
-  """Re-decodes ``config.check_prompts`` walked records (drawn with ``config.seed``) with
+  """Re-decodes ``config.check_prompts`` walked records (drawn with ``config.seed`` among those of
+  at most ``config.check_max_tokens`` new tokens: a CPU decodes a budget-128 tree slowly) with
   ``js.generate``, each with its messages, head and method: tau and the output's sha256 must be
   the record's. Writes ``check.json``; returns it."""
   target, tok = load_target(config)
   heads = load_heads(config, target)
   walked = sorted(responses.read(workdir / 'walks.jsonl').values(), key=lambda r: r['prompt_id'])
   walked = sorted(walked, key=lambda r: r['benchmark'])
+  walked = [r for r in walked if r['new_tokens'] <= config.check_max_tokens]
   rng = np.random.default_rng(config.seed)
   chosen = rng.choice(len(walked), min(config.check_prompts, len(walked)), replace=False)
   first_head = next(iter(heads))
@@ -273,6 +275,7 @@ def run_check(config, workdir: pathlib.Path) -> dict:
         )
       )
   result = dict(
+    drawn_from=f'{len(walked)} walked records of at most {config.check_max_tokens} new tokens',
     records=len(rows),
     outputs_equal=sum(r['output_equal'] for r in rows),
     rounds_equal=sum(r['rounds_walk'] == r['rounds_decode'] for r in rows),

@@ -57,7 +57,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.copy_ngram = 4
   config.training_data = 'data/smollm2_135m/data'  # checked for overlap with the prompts
   config.cache_dir = ''  # the packages' cache ('' -> ~/.cache/jetspec_jax/public_sets)
-  config.check_prompts = 8  # records re-decoded with js.generate by the 'check' stage
+  # The 'check' stage re-decodes this many walked records with js.generate (every drafter and
+  # method of each), drawn among those of at most check_max_tokens new tokens.
+  config.check_prompts = 2
+  config.check_max_tokens = 256
   if arg == 'tiny':  # a few short responses, one head (tests)
     config.samples = [['gsm8k', 1], ['humaneval', 1], ['mtbench', 1]]
     config.max_new_tokens = 32

@@ -186,7 +186,8 @@ def render(result: dict, source: str) -> str:
   check = result.get('check')
   if check:
     lines += [
-      f'Re-decoded with `js.generate` (its messages, head and method): {check["records"]} records, '
+      f'Re-decoded with `js.generate` (its messages, head and method; '
+      f'{check.get("drawn_from", "drawn at random")}): {check["records"]} records, '
       f'{check["outputs_equal"]} with the same output hash, {check["rounds_equal"]} with the same '
       'rounds (`check.json`).',
     ]
