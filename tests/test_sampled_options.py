@@ -23,7 +23,7 @@ def sharp_target():
   return target.replace(params=jax.tree.map(lambda p: p * 1.5, target.params))
 
 
-def sample_counts(target, head, method, sampling, samples=6000) -> np.ndarray:
+def sample_counts(target, head, method, sampling, samples=4000) -> np.ndarray:
   prompt, plen, capacity = decoding._prepare_prompt(target, PROMPT, 3, extra=80)
   loop = functools.partial(
     rounds.speculative_loop,
