@@ -178,9 +178,13 @@ def run_walks(config, workdir: pathlib.Path) -> None:
   shas = {name: provenance.weights_sha256(path) for name, path in config.heads}
   taps = {tuple(h.cfg.target_layer_ids) for h in heads.values()}
   stored = responses.read(workdir / 'responses.jsonl')
+  stored_sets = [k[0] for k in stored]
   path = workdir / 'walks.jsonl'
   done = responses.read(path)
-  todo = [k for k in stored if k not in done]
+  # The sets in turn, so that a run stopped early has walked some prompts of every set.
+  todo = interleaved(
+    {b: [k for k in stored if k[0] == b and k not in done] for b in dict.fromkeys(stored_sets)}, 1
+  )
   logging.info('walks: %d prompts to walk, %d walked', len(todo), len(done))
   first_head = next(iter(heads))
   for key in todo:
