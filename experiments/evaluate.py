@@ -313,6 +313,10 @@ def main(argv):
   config = FLAGS.config
   workdir = pathlib.Path(FLAGS.workdir)
   workdir.mkdir(parents=True, exist_ok=True)
+  # Compiled walks persist across runs: a resumed run (or the next batch of prompts) skips the
+  # minutes each (head, length bucket) takes to compile on a CPU.
+  if FLAGS.compile_cache:
+    jax.config.update('jax_compilation_cache_dir', FLAGS.compile_cache)
   logging.info('JAX %s on %s', jax.__version__, jax.devices())
   stages = [s for s in FLAGS.stages.split(',') if s]
   unknown = set(stages) - set(STAGES)
@@ -334,6 +338,11 @@ if __name__ == '__main__':
   config_flags.DEFINE_config_file('config', 'experiments/configs/evaluate_smollm2.py', 'Config.')
   flags.DEFINE_string('workdir', None, 'Where responses, walks and results go.')
   flags.DEFINE_string('stages', ','.join(STAGES), 'Comma-separated stages to run.')
+  flags.DEFINE_string(
+    'compile_cache',
+    str(pathlib.Path.home() / '.cache' / 'jetspec_jax' / 'xla'),
+    'Persistent XLA compilation cache ("": none).',
+  )
   flags.DEFINE_string('docs', 'docs/results.md', 'Where the rendered table goes ("": nowhere).')
   flags.mark_flags_as_required(['workdir'])
   app.run(main)
