@@ -172,19 +172,29 @@ def walk_record(name, head, head_sha, method, w: tree_walk.Walk, new_tokens: int
   )
 
 
-def run_walks(config, workdir: pathlib.Path) -> None:
+def read_walks(workdir: pathlib.Path) -> dict:
+  """Every walked record: ``walks.jsonl`` and the files of processes run side by side
+  (``walks.<part>.jsonl``)."""
+  out = {}
+  for path in sorted(workdir.glob('walks*.jsonl')):
+    out.update(responses.read(path))
+  return out
+
+
+def run_walks(config, workdir: pathlib.Path, part: int = 0, parts: int = 1) -> None:
   target, tok = load_target(config)
   heads = load_heads(config, target)
   shas = {name: provenance.weights_sha256(path) for name, path in config.heads}
   taps = {tuple(h.cfg.target_layer_ids) for h in heads.values()}
   stored = responses.read(workdir / 'responses.jsonl')
   stored_sets = [k[0] for k in stored]
-  path = workdir / 'walks.jsonl'
-  done = responses.read(path)
+  path = workdir / ('walks.jsonl' if parts == 1 else f'walks.{part}.jsonl')
+  done = read_walks(workdir)
   # The sets in turn, so that a run stopped early has walked some prompts of every set.
   todo = interleaved(
     {b: [k for k in stored if k[0] == b and k not in done] for b in dict.fromkeys(stored_sets)}, 1
   )
+  todo = todo[part::parts]  # processes side by side take every parts-th prompt
   logging.info('walks: %d prompts to walk, %d walked', len(todo), len(done))
   first_head = next(iter(heads))
   for key in todo:
@@ -242,7 +252,7 @@ def run_check(config, workdir: pathlib.Path) -> dict:
   the record's. Writes ``check.json``; returns it."""
   target, tok = load_target(config)
   heads = load_heads(config, target)
-  walked = sorted(responses.read(workdir / 'walks.jsonl').values(), key=lambda r: r['prompt_id'])
+  walked = sorted(read_walks(workdir).values(), key=lambda r: r['prompt_id'])
   walked = sorted(walked, key=lambda r: r['benchmark'])
   walked = [r for r in walked if r['new_tokens'] <= config.check_max_tokens]
   rng = np.random.default_rng(config.seed)
@@ -295,7 +305,7 @@ def run_render(config, workdir: pathlib.Path, docs_path) -> None:
   overlap = json.loads(overlap.read_text()) if overlap.exists() else None
   result = report.summarize(
     responses.read(workdir / 'responses.jsonl').values(),
-    responses.read(workdir / 'walks.jsonl').values(),
+    read_walks(workdir).values(),
     batch_size=config.batch_size,
     contamination=overlap,
   )
@@ -327,7 +337,7 @@ def main(argv):
   if 'responses' in stages:
     run_responses(config, workdir)
   if 'walk' in stages:
-    run_walks(config, workdir)
+    run_walks(config, workdir, FLAGS.part, FLAGS.parts)
   if 'check' in stages:
     run_check(config, workdir)
   if 'render' in stages:
@@ -343,6 +353,8 @@ if __name__ == '__main__':
     str(pathlib.Path.home() / '.cache' / 'jetspec_jax' / 'xla'),
     'Persistent XLA compilation cache ("": none).',
   )
+  flags.DEFINE_integer('part', 0, 'walk: this process takes every parts-th prompt from part.')
+  flags.DEFINE_integer('parts', 1, 'walk: processes walking side by side.')
   flags.DEFINE_string('docs', 'docs/results.md', 'Where the rendered table goes ("": nowhere).')
   flags.mark_flags_as_required(['workdir'])
   app.run(main)
