@@ -3,6 +3,7 @@ function), every cited docs/ section exists, and every method is listed once."""
 
 import ast
 import pathlib
+import json
 import re
 
 import jetspec_jax as js
@@ -149,3 +150,6 @@ def test_every_method_is_listed_once_and_built_from_its_config():
     method = cls()
     assert js.methods.from_config(method.to_config()) == method
     assert js.methods.from_config(name) == method
+    # ... also through JSON (a result record's method), which turns tuples into lists
+    again = js.methods.from_config(json.loads(json.dumps(method.to_config())))
+    assert again == method and hash(again) == hash(method)

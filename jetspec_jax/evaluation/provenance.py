@@ -68,10 +68,18 @@ def weights_sha256(path) -> dict[str, str]:
   return {f.name: file_sha256(f) for f in files}
 
 
+def command_line() -> str:
+  """This process's command as typed: ``python -m package.module ...`` for a module run."""
+  main = sys.modules.get('__main__')
+  spec = getattr(main, '__spec__', None)
+  head = ['python', '-m', spec.name] if spec is not None and spec.name else ['python', sys.argv[0]]
+  return ' '.join([*head, *sys.argv[1:]])
+
+
 def record(repo='.') -> dict:
   return dict(
     **git_commit(repo),
-    command=' '.join([os.path.basename(sys.executable), *sys.argv]),
+    command=command_line(),
     date_utc=datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%dT%H:%M:%SZ'),
     cpu=cpu_description(),
     cores=os.cpu_count(),

@@ -90,4 +90,7 @@ def from_config(config: 'Method | str | Mapping[str, Any]') -> Method:
   unknown = sorted(set(fields) - known)
   if unknown:
     raise ValueError(f'{name!r} has no setting {unknown} (its settings: {sorted(known)})')
+  # A config read back from JSON holds lists where the method holds tuples (a method is a static,
+  # hashable argument of the compiled loop).
+  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
   return cls(**fields)
