@@ -2,8 +2,8 @@
 function), every cited docs/ section exists, and every method is listed once."""
 
 import ast
-import pathlib
 import json
+import pathlib
 import re
 
 import jetspec_jax as js
