@@ -312,7 +312,11 @@ def run_render(config, workdir: pathlib.Path, docs_path) -> None:
   result['provenance'] = dict(provenance.record(), heads=heads, config=config.to_dict())
   check = workdir / 'check.json'
   if check.exists():
-    result['check'] = {k: v for k, v in json.loads(check.read_text()).items() if k != 'rows'}
+    checked = json.loads(check.read_text())
+    result['check'] = {k: v for k, v in checked.items() if k != 'rows'}
+    result['check']['max_tau_difference'] = max(
+      (abs(r['tau_walk'] - r['tau_decode']) for r in checked['rows']), default=0.0
+    )
   (workdir / 'results.json').write_text(json.dumps(result, indent=1) + '\n')
   if docs_path:
     pathlib.Path(docs_path).write_text(report.render(result, str(workdir)))

@@ -189,7 +189,9 @@ def render(result: dict, source: str) -> str:
       f'Re-decoded with `js.generate` (its messages, head and method; '
       f'{check.get("drawn_from", "drawn at random")}): {check["records"]} records, '
       f'{check["outputs_equal"]} with the same output hash, {check["rounds_equal"]} with the same '
-      'rounds (`check.json`).',
+      f"rounds, tau within {check.get('max_tau_difference', 0.0):.3f} of the walk's "
+      "(`check.json`; a round count can differ where the head's own draft scores tie, "
+      'docs/benchmarks.md §1b).',
     ]
   lines += [
     '',
