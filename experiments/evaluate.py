@@ -205,31 +205,22 @@ def run_walks(config, workdir: pathlib.Path, part: int = 0, parts: int = 1) -> N
     )
     if responses.ids_sha256(prompt) != r['prompt_sha256']:
       raise ValueError(f'{key}: the chat template no longer gives the stored prompt')
-    seq = np.concatenate([prompt, np.asarray(r['response'], np.int32)])
-    size = -(-len(seq) // tree_walk.LENGTH_BUCKET) * tree_walk.LENGTH_BUCKET
-    features = argmax = None
-    if len(taps) == 1:
-      features, argmax = tree_walk.sequence_features(
-        target, jax.numpy.asarray(tree_walk.padded(seq, size)), next(iter(taps))
+    features, facts = None, {}
+    if len(taps) == 1:  # one target forward serves every head
+      features, facts['label_mismatches'] = tree_walk.teacher_forced(
+        target, prompt, r['response'], next(iter(taps))
       )
-    rows, facts = [], {}
+    rows = []
     for name, head in heads.items():
       methods = drafter_methods(config, name, head)
-      if config.copy_drafter and name == first_head:
-        methods = [*methods, copy_method(config, head)]
+      copy = copy_method(config, head) if config.copy_drafter and name == first_head else None
+      if copy is not None:
+        methods = [*methods, copy]
       walks, facts_here = tree_walk.walks(target, head, prompt, r['response'], methods, features)
       facts.update(facts_here)
       for m, w in zip(methods, walks, strict=True):
-        drafter = 'copy' if m.name == 'tree' and m.copy_len and m.budget == m.copy_len + 1 else name
-        rows.append(
-          walk_record(
-            drafter, head, shas[name] if drafter != 'copy' else None, m, w, len(r['response'])
-          )
-        )
-    if argmax is not None:
-      stored_tokens = seq[len(prompt) :]
-      predicted = np.asarray(argmax)[len(prompt) - 1 : len(seq) - 1]
-      facts['label_mismatches'] = int(np.sum(stored_tokens != predicted))
+        drafter, sha = ('copy', None) if m is copy else (name, shas[name])
+        rows.append(walk_record(drafter, head, sha, m, w, len(r['response'])))
     record = dict(
       benchmark=r['benchmark'],
       prompt_id=r['prompt_id'],

@@ -184,27 +184,43 @@ def sequence_features(target, tokens, taps: tuple[int, ...]):
   return features[0], jnp.argmax(target.lm_logits(hidden[0]), axis=-1).astype(jnp.int32)
 
 
+def _sequence(prompt_ids, response):
+  """Prompt + response as int32 ids padded to the length bucket, and the unpadded length."""
+  seq = np.concatenate([np.asarray(prompt_ids, np.int32), np.asarray(response, np.int32)])
+  size = -(-len(seq) // LENGTH_BUCKET) * LENGTH_BUCKET
+  return padded(seq, size), len(seq)
+
+
+def teacher_forced(target, prompt_ids, response, taps: tuple[int, ...]):
+  """The sequence's tapped features (what :func:`walks` drafts from; any head with these taps)
+  and ``label_mismatches``: the response positions where the teacher-forced argmax differs from
+  the stored token (a float near-tie between that forward and the one that generated it)."""
+  seq, n = _sequence(prompt_ids, response)
+  features, argmax = sequence_features(target, jnp.asarray(seq), tuple(taps))
+  start = len(prompt_ids)
+  predicted = np.asarray(argmax)[start - 1 : n - 1]
+  return features, int(np.sum(seq[start:n] != predicted))
+
+
 def walks(
   target, head: dh.DraftHead, prompt_ids, response, method_list, features=None
 ) -> tuple[list[Walk], dict]:
   """Decoding's walks along ``response`` (the target's greedy tokens after ``prompt_ids``, the
-  prefill's first token included) for each method of ``method_list`` run by ``head``.
+  prefill's first token included) for each method of ``method_list`` run by ``head``;
+  ``features``: :func:`teacher_forced`'s, computed here when not given.
 
   Returns:
-    (one :class:`Walk` per method, facts of the sequence: ``label_mismatches``, the response
-    positions where the teacher-forced argmax differs from the stored token).
+    (one :class:`Walk` per method, facts of the sequence: ``label_mismatches`` when the features
+    were computed here).
   """
-  prompt_ids, response = np.asarray(prompt_ids, np.int32), np.asarray(response, np.int32)
-  seq = np.concatenate([prompt_ids, response])
-  n = len(seq)
-  size = -(-n // LENGTH_BUCKET) * LENGTH_BUCKET
-  tokens = jnp.asarray(padded(seq, size))
-  mask = np.zeros(size, np.int32)
+  seq, n = _sequence(prompt_ids, response)
+  mask = np.zeros(len(seq), np.int32)
   mask[len(prompt_ids) : n] = 1
+  facts = {}
   if features is None:
-    features, argmax = sequence_features(target, tokens, tuple(head.cfg.target_layer_ids))
-  else:
-    argmax = None
+    features, facts['label_mismatches'] = teacher_forced(
+      target, prompt_ids, response, head.cfg.target_layer_ids
+    )
   trees, chains = [], []
   for m in method_list:
     if isinstance(m, methods_lib.DSpark):
@@ -217,7 +233,7 @@ def walks(
     accepted_at_anchors(
       head,
       target,
-      tokens,
+      jnp.asarray(seq),
       jnp.asarray(mask),
       jnp.int32(n),
       features,
@@ -231,9 +247,4 @@ def walks(
   by_method = {}
   for row, m in zip(accepted, order, strict=True):
     by_method[id(m)] = walk(row, start, end, head.cfg.max_depth)
-  facts = {}
-  if argmax is not None:
-    stored = seq[len(prompt_ids) : n]
-    predicted = np.asarray(argmax)[len(prompt_ids) - 1 : n - 1]
-    facts['label_mismatches'] = int(np.sum(stored != predicted))
   return [by_method[id(m)] for m in method_list], facts
