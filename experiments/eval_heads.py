@@ -32,6 +32,7 @@ from ml_collections import config_flags
 
 from jetspec_jax import decoding, methods, sharding
 from jetspec_jax.methods import base as methods_base
+from jetspec_jax.evaluation import provenance
 from jetspec_jax.models import hf_io
 from jetspec_jax.training import copy_baseline, head_trainer, walk
 
@@ -214,8 +215,13 @@ def main(argv):
   if FLAGS.out and sharding.is_main_process():
     out = pathlib.Path(FLAGS.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    heads_dirs = parse_heads(FLAGS.heads)
     record = dict(
-      heads=parse_heads(FLAGS.heads),
+      provenance=dict(
+        provenance.record(),
+        weights_sha256={n: provenance.weights_sha256(d) for n, d in heads_dirs.items()},
+      ),
+      heads=heads_dirs,
       heldout=dict(
         data_dir=config.data.dir,
         shards=config.eval.heldout_shards,
@@ -223,6 +229,7 @@ def main(argv):
         anchors=config.eval.heldout_anchors,
       ),
       devices=str(jax.devices()),
+      heldout_subdir=FLAGS.heldout_subdir,
       rows=rows,
       decoded=decoded,
     )
