@@ -9,7 +9,6 @@ The public API (docs/design.md §4)::
 """
 
 from jetspec_jax import (
-  chat_prompts,
   decoding,
   kv_cache,
   methods,
@@ -22,16 +21,11 @@ from jetspec_jax import (
 )
 from jetspec_jax.decoding import GenerateOutput, GenerationStats, generate
 from jetspec_jax.kv_cache import KVCache
-from jetspec_jax.models import decoder, draft_head, gguf_io, hf_io
+from jetspec_jax.models import decoder, draft_head, gguf_io, head_io, hf_io, model_cache
 from jetspec_jax.models.decoder import DecoderConfig, Target
 from jetspec_jax.models.draft_head import DraftHead, DraftHeadConfig
-from jetspec_jax.models.hf_io import (
-  CheckpointError,
-  load_draft_head,
-  load_target,
-  save_draft_head,
-  save_target,
-)
+from jetspec_jax.models.head_io import load_draft_head, save_draft_head
+from jetspec_jax.models.hf_io import CheckpointError, load_target, save_target
 from jetspec_jax.tokenizer import Tokenizer, load_tokenizer
 from jetspec_jax.tree import Tree
 
@@ -48,16 +42,17 @@ __all__ = [
   'Target',
   'Tokenizer',
   'Tree',
-  'chat_prompts',
   'decoder',
   'decoding',
   'draft_head',
   'generate',
   'gguf_io',
+  'head_io',
   'hf_io',
   'kv_cache',
   'load_draft_head',
   'load_target',
+  'model_cache',
   'load_tokenizer',
   'methods',
   'rounds',

@@ -26,7 +26,6 @@ from jetspec_jax.models import draft_head as draft_head_lib
 from jetspec_jax.rounds import Sampling
 
 # generate's default method (a JetSpec tree of 64 nodes, 7 candidates per depth).
-DEFAULT_METHOD = methods_lib.Tree()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +275,7 @@ def generate(
   head: draft_head_lib.DraftHead | None = None,
   prompt_ids=None,
   *,
-  method: methods_lib.Method = DEFAULT_METHOD,
+  method: methods_lib.Method | None = None,
   max_new_tokens: int = 256,
   temperature: float = 0.0,
   top_p: float = 1.0,
@@ -299,8 +298,10 @@ def generate(
       algorithm)`` (JetSpec), ``DSpark(verify_length, threshold)`` (a DSpark head's sequential
       chain, verified up to a confidence-chosen length) or ``JetSpecPP(budget, width, recycle,
       refine_passes)`` (a JetSpec++ head's tree, its block seeded with the previous round's draft
-      and refined); trees and chains take copy candidates (``copy_len``). Each method's settings
-      are documented on its class; ``methods.from_config`` builds one from a config.
+      and refined). None: ``Tree()``, the measured best builder and budget for the platform
+      (:func:`jetspec_jax.methods.tree.default_budget`). Trees and chains take copy candidates
+      (``copy_len``). Each method's settings are documented on its class;
+      ``methods.from_config`` builds one from a config.
     max_new_tokens: most tokens to return (EOS included).
     temperature: 0 for greedy; otherwise sample-and-match acceptance (exact).
     top_p: nucleus filtering of the target's distribution when sampling.
@@ -316,6 +317,7 @@ def generate(
     (with the method's per-round counters, e.g. copy candidates' ``copy_nodes`` and
     ``copy_accepted``, in ``stats.round_stats``).
   """
+  method = methods_lib.Tree() if method is None else method  # the measured best, per platform
   if not isinstance(method, methods_lib.Method):
     raise TypeError(
       f'method must be a method value such as js.methods.Tree(budget=16), got {method!r} '

@@ -1,4 +1,4 @@
-"""Tiny fixtures shared by tests, notebooks and users (STYLE.md item 16)."""
+"""Tiny fixtures shared by tests, notebooks and users."""
 
 import re
 

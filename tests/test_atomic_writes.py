@@ -11,6 +11,7 @@ from etils import epath
 
 import jetspec_jax as js
 from jetspec_jax.training import data as data_lib
+from jetspec_jax.training import shards as shards_lib
 
 
 def test_concurrent_writers_and_readers_see_whole_files(tmp_path):
@@ -18,13 +19,13 @@ def test_concurrent_writers_and_readers_see_whole_files(tmp_path):
   every read is one writer's whole payload (a fixed temporary name failed both ways)."""
   path = epath.Path(tmp_path / 'shard.npz')
   payloads = [bytes([k]) * (200_000 + k) for k in range(4)]
-  data_lib._write_atomically(path, payloads[0], '.tmp.npz')
+  shards_lib.write_atomically(path, payloads[0], '.tmp.npz')
   errors, reads, stop = [], [], threading.Event()
 
   def write(k):
     try:
       for _ in range(150):
-        data_lib._write_atomically(path, payloads[k], '.tmp.npz')
+        shards_lib.write_atomically(path, payloads[k], '.tmp.npz')
     except Exception as e:  # noqa: BLE001 - the test reports any failure
       errors.append(e)
 
@@ -48,17 +49,17 @@ def test_concurrent_writers_and_readers_see_whole_files(tmp_path):
 
 def test_shard_claim_is_exclusive_and_stale_claims_are_taken_over(tmp_path):
   path = tmp_path / 'shard_00000.npz'
-  with data_lib.ShardClaim(path) as first:
-    with data_lib.ShardClaim(path) as second:
+  with shards_lib.ShardClaim(path) as first:
+    with shards_lib.ShardClaim(path) as second:
       assert first and not second
   assert not (tmp_path / 'shard_00000.npz.claim').exists()
   # A claim of a process of this host that is gone: taken over.
   (tmp_path / 'shard_00000.npz.claim').write_text(f'{socket.gethostname()} {2**22 + 12345}')
-  with data_lib.ShardClaim(path) as taken:
+  with shards_lib.ShardClaim(path) as taken:
     assert taken
   # A live claimer (this process) keeps its claim.
   (tmp_path / 'shard_00000.npz.claim').write_text(f'{socket.gethostname()} {os.getpid()}')
-  with data_lib.ShardClaim(path) as refused:
+  with shards_lib.ShardClaim(path) as refused:
     assert not refused
 
 
@@ -74,7 +75,7 @@ def test_side_by_side_generation_writes_each_shard_once(tmp_path):
 
   def other_process():
     time.sleep(3.0)
-    data_lib.write_shard(epath.Path(out / 'shard_00001.npz'), [np.array([7, 7])], [[0, 1]], 4)
+    shards_lib.write_shard(epath.Path(out / 'shard_00001.npz'), [np.array([7, 7])], [[0, 1]], 4)
     claim.unlink()
 
   helper = threading.Thread(target=other_process)
@@ -83,8 +84,8 @@ def test_side_by_side_generation_writes_each_shard_once(tmp_path):
   paths = data_lib.generate_dataset(target, prompts, out, wait=True, poll_s=0.2, **kwargs)
   helper.join()
   assert all(p.exists() for p in paths)
-  assert data_lib.load_shard(paths[1])['tokens'][0, :2].tolist() == [7, 7]  # not regenerated
-  assert len(data_lib.load_shard(paths[0])['lengths']) == 2
+  assert shards_lib.load_shard(paths[1])['tokens'][0, :2].tolist() == [7, 7]  # not regenerated
+  assert len(shards_lib.load_shard(paths[0])['lengths']) == 2
 
 
 @pytest.mark.parametrize('wait', [False])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jetspec_jax as js
-from experiments import bench
+from experiments.tasks import bench
 from jetspec_jax.decoding import GenerateOutput, GenerationStats
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from experiments.configs import draft_smollm2
-from jetspec_jax import chat_prompts, corpus
-from jetspec_jax.training import chat_data
-from jetspec_jax.training import data as data_lib
+from jetspec_jax import corpus
+from jetspec_jax.training import chat_data, chat_prompts
+from jetspec_jax.training import shards as shards_lib
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / 'data' / 'smollm2_135m'
 
@@ -182,9 +182,9 @@ def test_shard_paths_keep_the_first_prompt_rounds(tmp_path):
     (tmp_path / rel / 'shard_00000.npz').touch()
   names = lambda paths: [str(p.relative_to(tmp_path).parent) for p in paths]
   everything = ['greedy', 'round1/greedy', 'round2/sampled', 'roundabout', 'sampled']
-  assert names(data_lib.shard_paths(tmp_path)) == everything
-  assert names(data_lib.shard_paths(tmp_path, 1)) == ['greedy', 'roundabout', 'sampled']
-  assert names(data_lib.shard_paths(tmp_path, 2)) == [
+  assert names(shards_lib.shard_paths(tmp_path)) == everything
+  assert names(shards_lib.shard_paths(tmp_path, 1)) == ['greedy', 'roundabout', 'sampled']
+  assert names(shards_lib.shard_paths(tmp_path, 2)) == [
     'greedy',
     'round1/greedy',
     'roundabout',

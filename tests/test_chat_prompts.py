@@ -2,8 +2,9 @@
 
 import numpy as np
 
-from jetspec_jax import chat_prompts, corpus
+from jetspec_jax import corpus
 from jetspec_jax import prompts as prompts_lib
+from jetspec_jax.training import chat_prompts
 
 
 def test_training_and_evaluation_prompts_are_disjoint():

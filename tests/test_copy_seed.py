@@ -21,9 +21,9 @@ from jetspec_jax import rounds as rounds_lib
 from jetspec_jax.methods import jetspecpp
 from jetspec_jax.methods import tree as tree_method
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.models import hf_io
+from jetspec_jax.models import head_io
 from jetspec_jax.training import blocks as blocks_lib
-from jetspec_jax.training import head_trainer as train_lib
+from jetspec_jax.training import head_sums
 from tests.conftest import VOCAB
 
 TAPS = (0, 1, 2)
@@ -63,7 +63,7 @@ def test_training_blocks_hold_the_drafting_seeds_and_forwards_agree(target, caus
   head = seeded_head(target, causal)
   seq_len = 40
   tokens = repetitive_ids(3, seq_len)
-  _, feats = train_lib.target_pass(target, tokens[None], TAPS)
+  _, feats = head_sums.target_pass(target, tokens[None], TAPS)
   anchors = jnp.array([6, 19, 33], jnp.int32)
   ones = jnp.ones((seq_len,), jnp.int32)
   clean = blocks_lib.blocks_at(
@@ -72,10 +72,10 @@ def test_training_blocks_hold_the_drafting_seeds_and_forwards_agree(target, caus
   blk = blocks_lib.copy_seeded_blocks(clean, tokens, head.cfg.copy_seed)
   assert blk.guessed[:, 1:].sum() >= 6 and not blk.guessed[:, 0].any()
   np.testing.assert_array_equal(blk.targets, clean.targets)
-  out = train_lib.head_block_outputs(head.params, head.cfg, target, feats[0], blk)
+  out = head_sums.head_block_outputs(head.params, head.cfg, target, feats[0], blk)
   trained = dh.vocab_logits(target, out[:, 1:])
   unseeded = dh.vocab_logits(
-    target, train_lib.head_block_outputs(head.params, head.cfg, target, feats[0], clean)[:, 1:]
+    target, head_sums.head_block_outputs(head.params, head.cfg, target, feats[0], clean)[:, 1:]
   )
   assert float(jnp.abs(trained - unseeded).max()) > 1e-3  # the seeds reach the head
   for k, a in enumerate(np.asarray(anchors)):
@@ -124,8 +124,8 @@ def test_copy_seeded_head_is_lossless(target, prompts, ar_outputs, method):
 
 def test_copy_seed_round_trips_and_bad_settings_fail(target, tmp_path):
   head = seeded_head(target, copy_seed=4)
-  hf_io.save_draft_head(head, tmp_path / 'h')
-  loaded = hf_io.load_draft_head(tmp_path / 'h', target)
+  head_io.save_draft_head(head, tmp_path / 'h')
+  loaded = head_io.load_draft_head(tmp_path / 'h', target)
   assert loaded.cfg == head.cfg and loaded.cfg.copy_seed == 4
   np.testing.assert_array_equal(loaded.params['draft_embed'], head.params['draft_embed'])
   assert dh.config_for_target(target.cfg, refine=True, copy_seed=3).kind == 'jetspecpp'
@@ -201,6 +201,6 @@ def test_a_copy_seeded_jetspecpp_head_trains(target):
     lengths=jnp.array([40], jnp.int32),
     index=jnp.array([0], jnp.int32),
   )
-  settings = train_lib.StepSettings(num_anchors=8)
-  sums = train_lib.batch_sums(head.params, head.cfg, target, batch, jax.random.key(1), settings)
+  settings = head_sums.StepSettings(num_anchors=8)
+  sums = head_sums.batch_sums(head.params, head.cfg, target, batch, jax.random.key(1), settings)
   assert np.isfinite(float(sums.loss)) and float(sums.weight) > 0

@@ -272,7 +272,7 @@ def test_bad_arguments(target, heads):
     js.methods.Tree(budget=0)
   with pytest.raises(ValueError, match='width=18 must be in'):
     js.generate(target, head, prompt, method=js.methods.Tree(width=18))
-  with pytest.raises(ValueError, match=r'Tree\(budget=64, .*\) needs a draft head'):
+  with pytest.raises(ValueError, match=r'Tree\(budget=8, .*\) needs a draft head'):
     js.generate(target, None, prompt)
   with pytest.raises(TypeError, match='method must be a method value'):
     js.generate(target, head, prompt, method='tree')
@@ -324,7 +324,7 @@ def test_trace_first_round_matches_generate(target, heads):
 def test_forced_acceptance_accepts_exactly(target, heads, length):
   """The benchmark's chooser: forced choices accept exactly ``length`` nodes (tree deep
   enough)."""
-  from experiments.benchmark_accel import forced_choices
+  from experiments.tasks.round_costs import forced_choices
 
   ids = jnp.asarray(np.arange(15).reshape(5, 3) % VOCAB, jnp.int32)
   lps = jnp.tile(jnp.array([[-0.01, -5.0, -6.0]]), (5, 1))  # a deep rank-0 chain
@@ -339,7 +339,7 @@ def test_forced_acceptance_accepts_exactly(target, heads, length):
 def test_round_takes_a_chooser(target, heads):
   """``choose=`` replaces the target's choices inside the one round (the benchmark's forced
   acceptance); the default chooser commits what ``generate`` commits."""
-  from experiments.benchmark_accel import forced_choices
+  from experiments.tasks.round_costs import forced_choices
 
   head = heads['causal']
   prompt, plen, capacity = decoding._prepare_prompt(target, np.arange(1, 8), 8, extra=40)

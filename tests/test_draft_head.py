@@ -9,7 +9,7 @@ import pytest
 
 import jetspec_jax as js
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.models import hf_io
+from jetspec_jax.models import head_io, hf_io
 
 ATOL = 2e-5
 
@@ -138,7 +138,7 @@ def test_loads_released_layout_and_round_trips(target, tmp_path):
   cfg = dh.config_for_target(target.cfg, num_layers=2, block_size=6, target_layer_ids=(0, 2))
   tensors = released_layout(cfg)
   hf_io.write_tensors(tensors, tmp_path / 'released')
-  (tmp_path / 'released' / 'config.json').write_text(json.dumps(hf_io.head_config_to_hf(cfg)))
+  (tmp_path / 'released' / 'config.json').write_text(json.dumps(head_io.head_config_to_hf(cfg)))
   head = js.load_draft_head(tmp_path / 'released', target)
   assert head.cfg == cfg
   np.testing.assert_array_equal(np.asarray(head.params['fc']['kernel']), tensors['fc.weight'].T)

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 import jetspec_jax as js
-from experiments import calibrate_dspark
+from experiments.tasks import dspark_calibration as calibrate_head
 from jetspec_jax import decoding, rounds
 from jetspec_jax.methods import dspark
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import data as data_lib
-from jetspec_jax.training import dspark_calibration
-from jetspec_jax.training import head_trainer as train_lib
+from jetspec_jax.training import dspark_calibration, head_step, head_sums
+from jetspec_jax.training import loop as loop_lib
+from jetspec_jax.training import shards as shards_lib
 from tests.conftest import VOCAB
 from tests.test_decoding import assert_chi_square, exact_distribution
 
@@ -298,7 +299,7 @@ def test_calibration_records_and_round_trip(target, heads, tmp_path):
     progress=False,
     feature_taps=head.cfg.target_layer_ids,
   )
-  source = data_lib.TokenShards(tmp_path / 'data', max_len=40)
+  source = shards_lib.TokenShards(tmp_path / 'data', max_len=40)
   logits, accepted, valid = dspark_calibration.calibration_records(head, target, source)
   assert logits.shape == accepted.shape == valid.shape == (4 * 16, 3)
   assert valid.sum() > 50 and accepted[valid].mean() > 0.2  # the bigram head drafts well
@@ -311,7 +312,7 @@ def test_calibration_records_and_round_trip(target, heads, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, loaded.params, head.params)
   again, _, _ = dspark_calibration.calibration_records(loaded, target, source)
   np.testing.assert_allclose(again, logits, rtol=1e-5, atol=1e-5)  # raw logits, any calibration
-  fitted, report = calibrate_dspark.calibrate(head, target, source, source, 16)
+  fitted, report = calibrate_head.calibrate(head, target, source, source, 16)
   assert fitted.shape == (3,) and len(report['ece_after']) == 3 and report['eval_blocks'] > 0
 
 
@@ -370,12 +371,12 @@ def test_training_step_learns(target, tmp_path):
     progress=False,
     feature_taps=cfg.target_layer_ids,
   )
-  batch = data_lib.make_batches(data_lib.TokenShards(tmp_path, max_len=40), 4, seed=0)[0]
-  optimizer = train_lib.make_optimizer(lr=1e-2, steps=80, warmup_steps=5)
-  settings = train_lib.StepSettings(num_anchors=8, loss='dspark', gamma=4.0, loss_chunk=8)
-  step = train_lib.make_train_step(target, cfg, optimizer, settings, js.sharding.make_mesh(1))
+  batch = shards_lib.make_batches(shards_lib.TokenShards(tmp_path, max_len=40), 4, seed=0)[0]
+  optimizer = loop_lib.make_optimizer(lr=1e-2, steps=80, warmup_steps=5)
+  settings = head_sums.StepSettings(num_anchors=8, loss='dspark', gamma=4.0, loss_chunk=8)
+  step = head_step.make_train_step(target, cfg, optimizer, settings, js.sharding.make_mesh(1))
   params = dh.init_head_params(cfg, jax.random.key(0))
-  state = train_lib.init_state(params, optimizer)
+  state = loop_lib.init_state(params, optimizer)
   history = []
   for _ in range(80):
     state, metrics = step(state, batch, jax.random.key(5))
@@ -386,12 +387,12 @@ def test_training_step_learns(target, tmp_path):
   jetspec_cfg = dh.config_for_target(
     target.cfg, num_layers=1, block_size=4, target_layer_ids=(0, 2)
   )
-  bad = train_lib.make_train_step(
+  bad = head_step.make_train_step(
     target, jetspec_cfg, optimizer, settings, js.sharding.make_mesh(1)
   )
   with pytest.raises(ValueError, match='cannot train with'):
     bad(
-      train_lib.init_state(dh.init_head_params(jetspec_cfg, jax.random.key(0)), optimizer),
+      loop_lib.init_state(dh.init_head_params(jetspec_cfg, jax.random.key(0)), optimizer),
       batch,
       jax.random.key(5),
     )

@@ -1,16 +1,18 @@
-"""Each experiment binary's entry point runs end to end on its tiny config."""
+"""Each experiment task runs end to end on its tiny config; the verb binaries dispatch to them."""
 
+import importlib
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
 
 import jetspec_jax as js
-from experiments import benchmark, demo, generate_data
 from experiments.configs import benchmark as benchmark_config
 from experiments.configs import demo as demo_config
 from experiments.configs import draft_qwen3_8b, draft_tiny, target_code_small
+from experiments.tasks import decode_benchmark, demo, generate_data
 
 ASSETS = {
   'target': 'assets/target_code_small',
@@ -51,10 +53,12 @@ def test_demo_runs_on_tiny_config(tmp_path):
 
 
 def test_benchmark_runs_on_tiny_config(tmp_path):
-  result = benchmark.run(benchmark_config.get_config('tiny'), str(tmp_path))
+  result = decode_benchmark.run(benchmark_config.get_config('tiny'), str(tmp_path))
   saved = json.loads((tmp_path / 'benchmark.json').read_text())
   assert {r['batch'] for r in saved['batch_rows']} == {1, 2}
+  assert set(saved['provenance']) >= {'commit', 'dirty', 'command', 'date_utc', 'cpu', 'versions'}
   assert set(saved) == {
+    'provenance',
     'batch_rows',
     'config',
     'device',
@@ -79,10 +83,10 @@ def test_benchmark_runs_on_tiny_config(tmp_path):
 
 
 def test_tree_attention_benchmark_runs_on_tiny_config(tmp_path):
-  from experiments import benchmark_tree_attention
   from experiments.configs import tree_attention
+  from experiments.tasks import kernel_bench
 
-  result = benchmark_tree_attention.run(tree_attention.get_config('tiny'), str(tmp_path))
+  result = kernel_bench.run(tree_attention.get_config('tiny'), str(tmp_path))
   assert len(result['rows']) == 2 and all(r['kernel_ms'] > 0 for r in result['rows'])
   assert list(tmp_path.glob('tree_attention_*.json')) and list(tmp_path.glob('*.md'))
 
@@ -96,7 +100,7 @@ def test_generate_data_binary_runs_and_resumes(tmp_path):
 
 
 def test_build_features_binary_splits_the_cache_between_workers(tmp_path):
-  from experiments import build_features
+  from experiments.tasks import build_features
 
   config = draft_tiny.get_config('runlocal')
   config.data.update(dir=str(tmp_path / 'data'), shard_size=16)
@@ -141,8 +145,8 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
 
   config = benchmark_smollm2.get_config()
   kinds = {'jetspec': 'jetspec', 'dflash': 'dflash'}
-  greedy = [s.name for s in benchmark.config_settings(config, kinds, temperature=0.0)]
-  sampled = [s.name for s in benchmark.config_settings(config, kinds, temperature=1.0)]
+  greedy = [s.name for s in decode_benchmark.config_settings(config, kinds, temperature=0.0)]
+  sampled = [s.name for s in decode_benchmark.config_settings(config, kinds, temperature=1.0)]
   assert greedy[0] == sampled[0] == 'ar'
   assert {
     'tree/jetspec/best_first/8/copy4',
@@ -152,7 +156,7 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
   assert not [n for n in sampled if 'copy' in n] and 'tree/jetspec/best_first/16' in sampled
   assert set(config.batch_settings) <= set(greedy)
   sweep = benchmark_smollm2.get_config('sweep')
-  assert len(benchmark.config_settings(sweep, kinds, temperature=0.0)) == 1 + 2 * (1 + 5 * 2)
+  assert len(decode_benchmark.config_settings(sweep, kinds, temperature=0.0)) == 1 + 2 * (1 + 5 * 2)
 
 
 @pytest.mark.parametrize(
@@ -163,14 +167,11 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
     'dspark',
     'jetspecpp',
     'copy',
-    'recipe',
-    'copy_seeded',
-    'equal_data',
+    'groups',
     'long',
     'best_first',
     'best_first_budgets',
-    'steps',
-    'rounds',
+    'compare',
     'quick',
   ],
 )
@@ -181,7 +182,7 @@ def test_smollm2_benchmark_configs_name_settings_they_run(arg):
   config = benchmark_smollm2.get_config(arg)
   known = ('jetspec', 'dflash', 'dspark', 'jetspecpp')
   kinds = {name: name if name in known else 'jetspec' for name in config.heads}
-  greedy = {s.name for s in benchmark.config_settings(config, kinds, temperature=0.0)}
+  greedy = {s.name for s in decode_benchmark.config_settings(config, kinds, temperature=0.0)}
   assert set(config.get('batch_settings', ())) <= greedy
   assert set(config.get('round_cost_settings') or ()) <= greedy
 
@@ -198,10 +199,10 @@ def test_code_small_head_configs(name):
 
 
 def test_accelerator_benchmark_runs_on_tiny_config(tmp_path):
-  from experiments import benchmark_accel
   from experiments.configs import accel
+  from experiments.tasks import round_costs
 
-  result = benchmark_accel.run(accel.get_config('tiny'), str(tmp_path))
+  result = round_costs.run(accel.get_config('tiny'), str(tmp_path))
   parts = {r['part'] for r in result['rows']}
   assert parts == {'ar_decode_step', 'verify', 'draft_head', 'tree_accept_commit', 'full_round'}
   assert {r['attn_impl'] for r in result['rows'] if r['part'] == 'verify'} == {'xla', 'pallas'}
@@ -209,3 +210,29 @@ def test_accelerator_benchmark_runs_on_tiny_config(tmp_path):
   rounds = [r for r in result['rows'] if r['part'] == 'full_round']
   assert all(r['tokens_per_round'] == 4 for r in rounds)
   assert list(tmp_path.glob('accel_tiny_*.json'))
+
+
+def test_one_binary_per_verb_each_dispatching_to_tasks():
+  """experiments/ holds the verb binaries only; each names task modules that exist and define
+  their flags and a main; the index lists every verb."""
+  from experiments.tasks import verb
+
+  root = pathlib.Path(__file__).parent.parent / 'experiments'
+  binaries = sorted(p.stem for p in root.glob('*.py') if p.stem != '__init__')
+  assert binaries == ['benchmark', 'data', 'demo', 'evaluate', 'microbench', 'train']
+  index = (root / 'README.md').read_text()
+  for name in binaries:
+    source = (root / f'{name}.py').read_text()
+    assert 'verb.run(TASKS' in source and f'experiments.{name}' in index
+  for name in binaries:
+    module = importlib.import_module(f'experiments.{name}')
+    for path in module.TASKS.values():
+      task_module = importlib.import_module(path)
+      assert callable(task_module.define_flags) and callable(task_module.main), path
+  assert verb.pop_task(['x', '--task=kernel', '--config=c'], {'kernel': 'm'}, 'a') == (
+    'kernel',
+    ['x', '--config=c'],
+  )
+  assert verb.pop_task(['x', '--task', 'b', '-v'], {'a': 'm', 'b': 'n'}, 'a') == ('b', ['x', '-v'])
+  with pytest.raises(SystemExit, match='not one of'):
+    verb.pop_task(['x', '--task=nope'], {'a': 'm'}, 'a')

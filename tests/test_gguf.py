@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jetspec_jax as js
-from jetspec_jax.models import gguf_io
+from jetspec_jax.models import gguf_io, model_cache
 
 T = gguf.GGMLQuantizationType
 TINY_LLAMA = dict(
@@ -234,7 +234,7 @@ def test_llama3_rope_freqs_gguf_matches_transformers(tmp_path):
     want = model.eval()(torch.from_numpy(ids).long()).logits.numpy()
   got = np.asarray(target.forward_logits(ids))
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-  plain = js.load_target(gguf_io.cached_checkpoint(path)).cfg  # the same entry, scaled
+  plain = js.load_target(model_cache.cached_checkpoint(path)).cfg  # the same entry, scaled
   assert plain.rope_scaling == target.cfg.rope_scaling
   unscaled = js.Target(cfg=dataclasses.replace(target.cfg, rope_scaling=None), params=target.params)
   assert np.abs(np.asarray(unscaled.forward_logits(ids)) - want).max() > 1e-2
@@ -273,33 +273,33 @@ def test_no_stale_entry_is_reused(tiny_gguf, tmp_path, monkeypatch):
   hashed whole (a same-size edit in the middle of the GGUF names another entry)."""
   path, _ = tiny_gguf
   first = np.asarray(js.load_target(path).forward_logits(np.arange(7)[None]))
-  entry = gguf_io.cached_checkpoint(path)
+  entry = model_cache.cached_checkpoint(path)
   config = json.loads((entry / 'config.json').read_text())
   (entry / 'config.json').write_text(json.dumps(dict(config, rope_theta=123.0)))
-  assert not gguf_io._entry_is_valid(entry)
+  assert not model_cache._entry_is_valid(entry)
   np.testing.assert_array_equal(
     np.asarray(js.load_target(path).forward_logits(np.arange(7)[None])), first
   )
   assert json.loads((entry / 'config.json').read_text()) == config  # rebuilt
   (entry / 'config.json').write_text('{}')
-  assert gguf_io.cached_checkpoint(path) == entry and gguf_io._entry_is_valid(entry)
+  assert model_cache.cached_checkpoint(path) == entry and model_cache._entry_is_valid(entry)
   (entry / 'extra.bin').write_bytes(b'x')
-  assert not gguf_io._entry_is_valid(entry)
-  gguf_io.cached_checkpoint(path)
+  assert not model_cache._entry_is_valid(entry)
+  model_cache.cached_checkpoint(path)
   assert not (entry / 'extra.bin').exists()
 
   edited = tmp_path / path.name
   data = bytearray(path.read_bytes())
   data[len(data) // 2] ^= 0x01  # same size, one bit in the middle (tensor data)
   edited.write_bytes(bytes(data))
-  assert gguf_io.cached_checkpoint(edited) != entry
+  assert model_cache.cached_checkpoint(edited) != entry
 
 
 def test_second_load_uses_the_cache_and_a_corrupt_entry_is_rebuilt(tiny_gguf, monkeypatch):
   path, _ = tiny_gguf
   first = np.asarray(js.load_target(path).forward_logits(np.arange(7)[None]))
-  entry = gguf_io.cached_checkpoint(path)
-  files = json.loads((entry / gguf_io.MANIFEST).read_text())['files']
+  entry = model_cache.cached_checkpoint(path)
+  files = json.loads((entry / model_cache.MANIFEST).read_text())['files']
   assert set(files) == {'config.json', 'model.safetensors'} and files['model.safetensors'][0] > 0
 
   def no_conversion(_):
@@ -321,7 +321,7 @@ def test_second_load_uses_the_cache_and_a_corrupt_entry_is_rebuilt(tiny_gguf, mo
   data = bytearray(weights.read_bytes())
   data[-5] ^= 0xFF  # same size, corrupted content
   weights.write_bytes(bytes(data))
-  assert not gguf_io._entry_is_valid(entry)
+  assert not model_cache._entry_is_valid(entry)
   np.testing.assert_array_equal(
     np.asarray(js.load_target(path).forward_logits(np.arange(7)[None])), first
   )
@@ -376,7 +376,7 @@ def test_transformers_peer_decodes_the_same_greedy_tokens(tiny_gguf):
   produces our greedy AR tokens; ``agreement`` measures the shared leading run."""
   pytest.importorskip('torch')
   pytest.importorskip('transformers')
-  from experiments import peers
+  from experiments.tasks import peers
 
   path, _ = tiny_gguf
   target = js.load_target(path)

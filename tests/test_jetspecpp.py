@@ -18,7 +18,9 @@ from jetspec_jax.methods import jetspecpp
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import blocks as blocks_lib
 from jetspec_jax.training import data as data_lib
-from jetspec_jax.training import head_trainer as train_lib
+from jetspec_jax.training import head_step, head_sums
+from jetspec_jax.training import loop as loop_lib
+from jetspec_jax.training import shards as shards_lib
 from tests.conftest import VOCAB
 from tests.test_decoding import assert_chi_square, exact_distribution
 
@@ -180,12 +182,12 @@ def test_refine_blocks_hide_what_they_must(target):
   np.testing.assert_array_equal(in_round.anchors, [3, 21])
   np.testing.assert_array_equal(in_round.tokens[0, 1:], guesses[0])
 
-  out = np.asarray(train_lib.head_block_outputs(params, cfg, target, features, refine))
+  out = np.asarray(head_sums.head_block_outputs(params, cfg, target, features, refine))
   later = features.at[6:].add(3.0)
   changed_tokens = tokens.at[7:].set((tokens[7:] + 1) % VOCAB)
   changed = blocks_lib.refine_blocks(clean, guesses, changed_tokens, loss_mask, seq_len, 0)
   np.testing.assert_array_equal(changed.tokens[0], refine.tokens[0])
-  got = np.asarray(train_lib.head_block_outputs(params, cfg, target, later, changed))
+  got = np.asarray(head_sums.head_block_outputs(params, cfg, target, later, changed))
   np.testing.assert_allclose(got[0], out[0], atol=1e-6)
   assert not np.allclose(got[1], out[1])  # the later block does see those rows
 
@@ -218,7 +220,7 @@ def test_noisy_context_blocks_hide_what_they_must(target):
   np.testing.assert_array_equal(noisy.valid[1], clean.valid[1])
   np.testing.assert_array_equal(noisy.context_mask, clean.context_mask)
 
-  out = np.asarray(train_lib.head_block_outputs(params, cfg, target, features, noisy))
+  out = np.asarray(head_sums.head_block_outputs(params, cfg, target, features, noisy))
   later = features.at[4:].add(3.0)
   for j in (3, 4, 5):  # the slots of block 0 with a loss
     changed_tokens = tokens.at[4 + j :].set(tokens[4 + j :] % (VOCAB - 1) + 1)
@@ -226,13 +228,13 @@ def test_noisy_context_blocks_hide_what_they_must(target):
       anchors, jnp.array([True, True]), changed_tokens, loss_mask, seq_len, bs, 0
     )
     changed = blocks_lib.noisy_context_blocks(changed_clean, guesses, run, truth)
-    got = np.asarray(train_lib.head_block_outputs(params, cfg, target, later, changed))
+    got = np.asarray(head_sums.head_block_outputs(params, cfg, target, later, changed))
     np.testing.assert_allclose(got[0, : j + 1], out[0, : j + 1], atol=1e-6)
   # ... and the true tokens in the run do reach the slots after them.
   earlier = tokens.at[5].set(tokens[5] % (VOCAB - 1) + 1)
   moved = blocks_lib.blocks_at(anchors, jnp.array([True, True]), earlier, loss_mask, seq_len, bs, 0)
   moved = blocks_lib.noisy_context_blocks(moved, guesses, run, truth)
-  got = np.asarray(train_lib.head_block_outputs(params, cfg, target, features, moved))
+  got = np.asarray(head_sums.head_block_outputs(params, cfg, target, features, moved))
   assert not np.allclose(got[0, 3], out[0, 3])
 
 
@@ -270,7 +272,7 @@ def tiny_data(target, tmp_path_factory):
     progress=False,
     feature_taps=(0, 2),
   )
-  return data_lib.make_batches(data_lib.TokenShards(path, max_len=40), 4, seed=0)
+  return shards_lib.make_batches(shards_lib.TokenShards(path, max_len=40), 4, seed=0)
 
 
 def test_training_learns_and_resumes_exactly(target, tiny_data, tmp_path):
@@ -279,11 +281,11 @@ def test_training_learns_and_resumes_exactly(target, tiny_data, tmp_path):
   cfg = dh.config_for_target(
     target.cfg, num_layers=1, block_size=5, target_layer_ids=(0, 2), refine=True
   )
-  optimizer = train_lib.make_optimizer(lr=3e-3, steps=8, warmup_steps=2)
-  settings = train_lib.StepSettings(num_anchors=8, loss='ce', loss_chunk=4, remat=False)
+  optimizer = loop_lib.make_optimizer(lr=3e-3, steps=8, warmup_steps=2)
+  settings = head_sums.StepSettings(num_anchors=8, loss='ce', loss_chunk=4, remat=False)
 
   def run(workdir, **kwargs):
-    return train_lib.fit(
+    return head_step.fit(
       target,
       cfg,
       tiny_data,
@@ -316,13 +318,13 @@ def test_consistency_term_adds_to_the_loss(target, tiny_data):
   cfg, params = head.cfg, head.params
   batch = tiny_data[0]
   tokens = jnp.asarray(batch['tokens'][:1])
-  hidden, features = train_lib.target_pass(target, tokens, cfg.target_layer_ids)
+  hidden, features = head_sums.target_pass(target, tokens, cfg.target_layer_ids)
 
   def loss(weight):
-    settings = train_lib.StepSettings(
+    settings = head_sums.StepSettings(
       num_anchors=8, loss='ce', loss_chunk=4, remat=False, consistency_weight=weight
     )
-    sums = train_lib.sequence_sums(
+    sums = head_sums.sequence_sums(
       params,
       cfg,
       target,

@@ -27,7 +27,8 @@ def test_qwen3_8b_recipe_fits_16_gib_per_device(tmp_path):
   cmd = [
     sys.executable,
     '-m',
-    'experiments.memory_plan',
+    'experiments.microbench',
+    '--task=memory',
     '--config=experiments/configs/draft_qwen3_8b.py',
     '--target_preset=qwen3_8b',
     '--meshes=1x8',

@@ -17,13 +17,13 @@ import os, sys
 process_id, workdir, kill_at = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 import jax
 from jetspec_jax import sharding, training
-from jetspec_jax.training import data as data_lib
+from jetspec_jax.training import shards as shards_lib
 from experiments.configs import draft_tiny
-write_shard = data_lib.write_shard
+write_shard = shards_lib.write_shard
 def recording_write_shard(path, *args, **kwargs):
   print('WROTE', jax.process_index(), path.name, flush=True)
   return write_shard(path, *args, **kwargs)
-data_lib.write_shard = recording_write_shard
+shards_lib.write_shard = recording_write_shard
 from jetspec_jax.training import loop
 write_metrics = loop.MetricWriter.write
 def killing_write(self, step, metrics):  # a crash: gone at once, nothing saved since

@@ -245,12 +245,12 @@ def test_copy_baseline_metrics_by_hand():
 def test_first_response_tokens_scores_the_start_of_each_answer():
   """``first_response_tokens(batch, n)`` keeps the first ``n`` response tokens scored: on the
   by-hand sequence above, n = 4 leaves anchors 5..7 and cuts draft slots past position 8."""
-  from jetspec_jax.training import copy_baseline, head_trainer
+  from jetspec_jax.training import copy_baseline, run_config
 
   tokens = np.asarray([[7, 1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 0, 0]])
   mask = np.asarray([[0] * 5 + [1] * 8 + [0] * 2], np.int32)
   batch = dict(tokens=tokens, loss_mask=mask, lengths=np.asarray([13]))
-  cut = head_trainer.first_response_tokens(batch, 4)
+  cut = run_config.first_response_tokens(batch, 4)
   np.testing.assert_array_equal(cut['loss_mask'], [[0] * 5 + [1] * 4 + [0] * 6])
   assert cut['loss_mask'].dtype == mask.dtype and batch['loss_mask'] is mask  # not in place
   got = copy_baseline.copy_metrics(cut, block_size=4, max_ngram=3)
@@ -261,7 +261,7 @@ def test_first_response_tokens_scores_the_start_of_each_answer():
   np.testing.assert_allclose(got['expected_tau'], 1 + (0 + 2 + 1) / 3)
   # Decoding: anchor 5 commits position 6, anchor 6 the last two (7 and 8, its run capped there).
   np.testing.assert_allclose(got['walk_tau'], (1 + 2) / 2)
-  whole = head_trainer.first_response_tokens(batch, 100)
+  whole = run_config.first_response_tokens(batch, 100)
   np.testing.assert_array_equal(whole['loss_mask'], mask)
 
 

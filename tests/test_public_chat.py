@@ -8,8 +8,8 @@ import pytest
 
 import jetspec_jax as js
 from jetspec_jax.evaluation import contamination
-from jetspec_jax.training import data as data_lib
 from jetspec_jax.training import public_chat
+from jetspec_jax.training import shards as shards_lib
 
 
 def test_complete_elements_stops_at_the_cut():
@@ -51,7 +51,7 @@ def test_select_filters_and_counts():
 @pytest.fixture(scope='module')
 def tok():
   try:
-    return js.load_tokenizer(js.gguf_io.smollm2_135m_instruct_path())
+    return js.load_tokenizer(js.model_cache.smollm2_135m_instruct_path())
   except FileNotFoundError as e:
     pytest.skip(str(e))
 
@@ -78,7 +78,7 @@ def test_each_turn_follows_the_targets_own_answers(tok, tmp_path):
   assert written == {'greedy': 3, 'sampled': 3}
   turn1 = public_chat.read_answers(tok, public_chat.shard_path(tmp_path, 'greedy', 1, 0))
   assert sorted(turn1) == ['b', 'c']
-  shard = data_lib.load_shard(public_chat.shard_path(tmp_path, 'greedy', 2, 0))
+  shard = shards_lib.load_shard(public_chat.shard_path(tmp_path, 'greedy', 2, 0))
   ids = json.loads(
     public_chat.ids_path(public_chat.shard_path(tmp_path, 'greedy', 2, 0)).read_text()
   )

@@ -108,22 +108,22 @@ def test_pipeline_on_smollm2_walk_equals_generate(smollm2, tmp_path):  # noqa: F
   """The ``:tiny`` evaluation end to end on the real model: responses (MT-Bench's second turn
   after the first answer), walks, and every walked record re-decoded by ``js.generate`` with its
   messages, head and method gives the stored output and the walk's rounds."""
-  from experiments import evaluate
   from experiments.configs import evaluate_smollm2
+  from experiments.tasks import public_table
 
   config = evaluate_smollm2.get_config('tiny')
-  evaluate.run_responses(config, tmp_path)
+  public_table.run_responses(config, tmp_path)
   stored = responses.read(tmp_path / 'responses.jsonl')
   assert sorted(k[1] for k in stored if k[0] == 'mtbench')[-1].endswith('-2')
-  evaluate.run_walks(config, tmp_path)
+  public_table.run_walks(config, tmp_path)
   config.check_prompts = len(stored)
-  check = evaluate.run_check(config, tmp_path)
+  check = public_table.run_check(config, tmp_path)
   assert check['records'] == len(stored) * 3  # chain, tree 8, the copy drafter
   assert check['outputs_equal'] == check['records']
   assert check['rounds_equal'] == check['records']
   for row in check['rows']:  # the last round may differ past the cut; here none does
     assert row['tau_walk'] == pytest.approx(row['tau_decode'])
-  evaluate.run_render(config, tmp_path, tmp_path / 'results.md')
+  public_table.run_render(config, tmp_path, tmp_path / 'results.md')
   text = (tmp_path / 'results.md').read_text()
   assert '| jetspec | tree 8 best_first |' in text and 'same output hash' in text
 

@@ -20,7 +20,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import jetspec_jax as js
 from jetspec_jax import sharding
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.training import head_trainer as train_lib
+from jetspec_jax.training import head_sums, head_step, loop as loop_lib
 assert jax.device_count() == 4
 dims = dict(vocab_size=64, hidden_size=48, intermediate_size=64, num_attention_heads=8,
             num_key_value_heads=4, head_dim=16)
@@ -31,15 +31,15 @@ for moe in (False, True):
   prompts = [np.arange(1, 10) % 64, np.arange(5, 9)]
   tree = js.methods.Tree(budget=16, width=3)
   want = [o.tokens for o in js.generate(target, head, prompts, max_new_tokens=16, method=tree)]
-  opt = train_lib.make_optimizer(lr=1e-2, steps=4, warmup_steps=1)
-  settings = train_lib.StepSettings(num_anchors=4, loss="fkl", loss_chunk=4)
+  opt = loop_lib.make_optimizer(lr=1e-2, steps=4, warmup_steps=1)
+  settings = head_sums.StepSettings(num_anchors=4, loss="fkl", loss_chunk=4)
   batch = dict(tokens=jnp.asarray(np.arange(4 * 24).reshape(4, 24) % 64, jnp.int32),
                loss_mask=jnp.ones((4, 24), jnp.uint8), lengths=jnp.full((4,), 24, jnp.int32),
                index=jnp.arange(4, dtype=jnp.int32))
 
   def train(target, mesh):
-    step = train_lib.make_train_step(target, head.cfg, opt, settings, mesh)
-    state = train_lib.init_state(jax.tree.map(jnp.copy, head.params), opt)  # steps donate
+    step = head_step.make_train_step(target, head.cfg, opt, settings, mesh)
+    state = loop_lib.init_state(jax.tree.map(jnp.copy, head.params), opt)  # steps donate
     for s in range(2):
       state, _ = step(state, batch, jax.random.key(s))
       jax.block_until_ready(state)

@@ -10,7 +10,7 @@ import jetspec_jax as js
 @pytest.fixture(scope='module')
 def smollm2():
   try:
-    path = js.gguf_io.smollm2_135m_instruct_path()
+    path = js.model_cache.smollm2_135m_instruct_path()
   except FileNotFoundError as e:
     pytest.skip(str(e))
   return js.load_target(path), js.load_tokenizer(path)

@@ -10,6 +10,7 @@ import tokenizers
 from tokenizers import pre_tokenizers
 
 import jetspec_jax as js
+from jetspec_jax.training import chat_prompts
 
 TEXTS = (
   'Hello world!',
@@ -33,7 +34,7 @@ MESSAGES = (
 @pytest.fixture(scope='module')
 def smollm2_path():
   try:
-    return js.gguf_io.smollm2_135m_instruct_path()
+    return js.model_cache.smollm2_135m_instruct_path()
   except FileNotFoundError as e:
     pytest.skip(str(e))
 
@@ -105,7 +106,7 @@ def test_bad_paths(tmp_path):
 
 
 def test_eval_prompt_groups_are_chat_formatted(tok):
-  groups = js.chat_prompts.eval_prompt_groups(tok, num_code=4, num_math=3)
+  groups = chat_prompts.eval_prompt_groups(tok, num_code=4, num_math=3)
   assert {k: len(v) for k, v in groups.items()} == {'code': 4, 'chat': 16, 'math': 3}
   opening = tok.encode('<|im_start|>assistant\n')
   for ids in (ids for group in groups.values() for ids in group):

@@ -17,13 +17,26 @@ from absl import logging as absl_logging
 from etils.epath import testing as etils_testing
 
 import jetspec_jax as js
-from experiments import eval_heads, generate_data
 from experiments.configs import draft_tiny
+from experiments.tasks import generate_data, heldout
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import blocks as blocks_lib
-from jetspec_jax.training import chat_data, copy_baseline, loop, losses, walk
+from jetspec_jax.training import (
+  chat_data,
+  copy_baseline,
+  head_step,
+  head_sums,
+  head_trainer,
+  loop,
+  losses,
+  prompt_io,
+  run_config,
+  walk,
+)
 from jetspec_jax.training import data as data_lib
-from jetspec_jax.training import head_trainer as train_lib
+from jetspec_jax.training import features as features_lib
+from jetspec_jax.training import loop as loop_lib
+from jetspec_jax.training import shards as shards_lib
 
 VOCAB = 97
 
@@ -108,15 +121,15 @@ def test_no_leakage_from_later_context_or_other_blocks(target, head_cfg):
     block_size=6,
     mask_token_id=head_cfg.mask_token_id,
   )
-  out = np.asarray(train_lib.head_block_outputs(params, head_cfg, target, features, blk))
+  out = np.asarray(head_sums.head_block_outputs(params, head_cfg, target, features, blk))
   anchors = np.asarray(blk.anchors)
   k = 1
   later = features.at[anchors[k] :].add(3.0)  # the anchor's own row and everything after
-  changed = np.asarray(train_lib.head_block_outputs(params, head_cfg, target, later, blk))
+  changed = np.asarray(head_sums.head_block_outputs(params, head_cfg, target, later, blk))
   np.testing.assert_allclose(changed[k], out[k], atol=1e-6)
   assert not np.allclose(changed[-1], out[-1])  # a later block does see those rows
   other = blk._replace(tokens=blk.tokens.at[k + 1, 0].set((blk.tokens[k + 1, 0] + 1) % VOCAB))
-  changed = np.asarray(train_lib.head_block_outputs(params, head_cfg, target, features, other))
+  changed = np.asarray(head_sums.head_block_outputs(params, head_cfg, target, features, other))
   np.testing.assert_allclose(changed[k], out[k], atol=1e-6)
   assert not np.allclose(changed[k + 1], out[k + 1])
 
@@ -142,18 +155,18 @@ def test_losses_fkl_zero_at_teacher_and_ce_matches_formula(target):
 
 
 def make_step_inputs(dataset, global_batch=4):
-  source = data_lib.TokenShards(dataset[0], max_len=40)
-  return source, data_lib.make_batches(source, global_batch, seed=0)
+  source = shards_lib.TokenShards(dataset[0], max_len=40)
+  return source, shards_lib.make_batches(source, global_batch, seed=0)
 
 
 def test_overfits_a_fixed_batch(target, head_cfg, dataset):
   """Same batch, same anchors every step: the loss falls by a large factor, accuracy rises."""
   _, batches = make_step_inputs(dataset)
   batch = batches[0]
-  optimizer = train_lib.make_optimizer(lr=1e-2, steps=150, warmup_steps=5)
-  settings = train_lib.StepSettings(num_anchors=8, loss='ce', loss_chunk=8)
-  step = train_lib.make_train_step(target, head_cfg, optimizer, settings, js.sharding.make_mesh(1))
-  state = train_lib.init_state(dh.init_head_params(head_cfg, jax.random.key(0)), optimizer)
+  optimizer = loop_lib.make_optimizer(lr=1e-2, steps=150, warmup_steps=5)
+  settings = head_sums.StepSettings(num_anchors=8, loss='ce', loss_chunk=8)
+  step = head_step.make_train_step(target, head_cfg, optimizer, settings, js.sharding.make_mesh(1))
+  state = loop_lib.init_state(dh.init_head_params(head_cfg, jax.random.key(0)), optimizer)
   key = jax.random.key(5)
   history = []
   for _ in range(150):
@@ -166,9 +179,9 @@ def test_overfits_a_fixed_batch(target, head_cfg, dataset):
 
 
 def run_training(target, head_cfg, batches, workdir, **kwargs):
-  optimizer = train_lib.make_optimizer(lr=3e-3, steps=12, warmup_steps=2)
-  settings = train_lib.StepSettings(num_anchors=8, loss='fkl', loss_chunk=8)
-  return train_lib.fit(
+  optimizer = loop_lib.make_optimizer(lr=3e-3, steps=12, warmup_steps=2)
+  settings = head_sums.StepSettings(num_anchors=8, loss='fkl', loss_chunk=8)
+  return head_step.fit(
     target,
     head_cfg,
     batches,
@@ -218,13 +231,13 @@ import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 import jetspec_jax as js
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.training import data as data_lib, head_trainer as train_lib
+from jetspec_jax.training import shards as shards_lib, head_step, head_sums, loop as loop_lib
 assert jax.device_count() == 2
 target = js.testing.tiny_target(0, vocab_size={VOCAB})
 cfg = dh.config_for_target(target.cfg, num_layers=1, block_size=6, target_layer_ids=(0, 2))
-batches = data_lib.make_batches(data_lib.TokenShards("{dataset[0]}", max_len=40), 4, seed=0)
-opt = train_lib.make_optimizer(lr=3e-3, steps=10, warmup_steps=1)
-settings = train_lib.StepSettings(num_anchors=8, loss="fkl", loss_chunk=8)
+batches = shards_lib.make_batches(shards_lib.TokenShards("{dataset[0]}", max_len=40), 4, seed=0)
+opt = loop_lib.make_optimizer(lr=3e-3, steps=10, warmup_steps=1)
+settings = head_sums.StepSettings(num_anchors=8, loss="fkl", loss_chunk=8)
 import dataclasses
 results = []
 # (data, model, fsdp, micro_batches, anchor_chunk): data parallel, FSDP, tensor parallel with
@@ -233,8 +246,8 @@ for data, model, fsdp, micro, chunk in ((1, 1, False, 1, 0), (2, 1, False, 1, 0)
                                         (2, 1, True, 1, 0), (1, 2, False, 2, 4)):
   mesh = js.sharding.make_mesh(data, model)
   s = dataclasses.replace(settings, micro_batches=micro, anchor_chunk=chunk)
-  step = train_lib.make_train_step(target, cfg, opt, s, mesh, fsdp=fsdp)
-  state = train_lib.init_state(dh.init_head_params(cfg, jax.random.key(0)), opt)
+  step = head_step.make_train_step(target, cfg, opt, s, mesh, fsdp=fsdp)
+  state = loop_lib.init_state(dh.init_head_params(cfg, jax.random.key(0)), opt)
   state = jax.device_put(state, step.state_shardings(state))
   for i in range(3):
     state, metrics = step(state, batches[i], jax.random.key(i))
@@ -305,7 +318,7 @@ def test_a_url_data_directory_and_export_go_through_epath(target, dataset, tmp_p
   (root / 'bucket' / 'prompts.jsonl').write_text('\n'.join(lines))
   head = js.testing.random_draft_head(target, block_size=5, seed=2)
   with etils_testing.mock_epath(**calls):
-    read = data_lib.read_prompts_jsonl('gs://bucket/prompts.jsonl')
+    read = prompt_io.read_prompts_jsonl('gs://bucket/prompts.jsonl')
     written = data_lib.generate_dataset(
       target, read, 'gs://bucket/data/greedy', max_len=40, max_new_tokens=30, shard_size=2,
       batch_size=2, progress=False,
@@ -314,14 +327,14 @@ def test_a_url_data_directory_and_export_go_through_epath(target, dataset, tmp_p
       'gs://bucket/data/greedy/shard_00000.npz',
       'gs://bucket/data/greedy/shard_00001.npz',
     ]
-    assert [str(p) for p in data_lib.shard_paths('gs://bucket/data')] == [str(p) for p in written]
-    source = data_lib.TokenShards('gs://bucket/data', max_len=40)
+    assert [str(p) for p in shards_lib.shard_paths('gs://bucket/data')] == [str(p) for p in written]
+    source = shards_lib.TokenShards('gs://bucket/data', max_len=40)
     js.save_draft_head(head, 'gs://bucket/run/export')
   assert not (tmp_path / 'gs:').exists()  # nothing went through pathlib
-  local_shards = data_lib.TokenShards(root / 'bucket' / 'data', max_len=40)
+  local_shards = shards_lib.TokenShards(root / 'bucket' / 'data', max_len=40)
   np.testing.assert_array_equal(source.tokens, local_shards.tokens)
   # The same greedy answers as the local dataset's first 4 prompts.
-  np.testing.assert_array_equal(source.tokens, data_lib.TokenShards(path, max_len=40).tokens[:4])
+  np.testing.assert_array_equal(source.tokens, shards_lib.TokenShards(path, max_len=40).tokens[:4])
   loaded = js.load_draft_head(root / 'bucket' / 'run' / 'export', target)
   jax.tree.map(np.testing.assert_array_equal, loaded.params, head.params)
 
@@ -330,8 +343,8 @@ def test_prompts_from_jsonl(tmp_path):
   path = tmp_path / 'p.jsonl'
   path.write_text('{"prompt_ids": [1, 2, 3]}\n\n{"prompt": "ab"}\n')
   with pytest.raises(ValueError, match='no tokenizer'):
-    data_lib.read_prompts_jsonl(path)
-  prompts = data_lib.read_prompts_jsonl(path, tokenize=lambda s: [ord(c) for c in s])
+    prompt_io.read_prompts_jsonl(path)
+  prompts = prompt_io.read_prompts_jsonl(path, tokenize=lambda s: [ord(c) for c in s])
   assert [p.tolist() for p in prompts] == [[1, 2, 3], [97, 98]]
 
 
@@ -362,7 +375,7 @@ def test_conversation_prompts_from_jsonl(tmp_path):
   path.write_text('\n'.join(json.dumps(r) for r in CONVERSATIONS) + '\n')
   seen = []
   chat = lambda messages: seen.append(messages) or [len(seen)]  # noqa: E731
-  prompts = data_lib.read_prompts_jsonl(path, chat=chat)
+  prompts = prompt_io.read_prompts_jsonl(path, chat=chat)
   assert [p.tolist() for p in prompts] == [[1], [2], [3], [4], [5, 6, 7]]
   system, user1, _, user2, _ = CONVERSATIONS[0]['messages']
   assert seen == [
@@ -373,7 +386,7 @@ def test_conversation_prompts_from_jsonl(tmp_path):
   ]
   assert user2['role'] == 'user'
   with pytest.raises(ValueError, match='c.jsonl:1 is a conversation but no chat template'):
-    data_lib.read_prompts_jsonl(path)
+    prompt_io.read_prompts_jsonl(path)
   for line, match in [
     ('{"conversations": [{"from": "robot", "value": "x"}]}', r'bad.jsonl:1, turn 0: want'),
     ('{"messages": []}', 'not a non-empty list'),
@@ -383,9 +396,9 @@ def test_conversation_prompts_from_jsonl(tmp_path):
   ]:
     (tmp_path / 'bad.jsonl').write_text(line + '\n')
     with pytest.raises(ValueError, match=match):
-      data_lib.read_prompts_jsonl(tmp_path / 'bad.jsonl', chat=chat)
+      prompt_io.read_prompts_jsonl(tmp_path / 'bad.jsonl', chat=chat)
   with pytest.raises(FileNotFoundError, match='prompt file'):
-    data_lib.read_prompts_jsonl(tmp_path / 'missing.jsonl')
+    prompt_io.read_prompts_jsonl(tmp_path / 'missing.jsonl')
 
 
 def test_generate_data_and_train_from_jsonl_conversations(tmp_path):
@@ -424,7 +437,7 @@ def test_generate_data_and_train_from_jsonl_conversations(tmp_path):
   paths = generate_data.run(config, str(tmp_path / 'gen'))
   tokenizer = js.load_tokenizer(gguf_path)
   want = [tokenizer.apply_chat_template(m) for r in CONVERSATIONS[:3] * 3
-          for m in data_lib.turn_prompts(data_lib.conversation_messages(r))]  # fmt: skip
+          for m in prompt_io.turn_prompts(prompt_io.conversation_messages(r))]  # fmt: skip
   assert {p.parent.name for p in paths} == {'greedy', 'sampled'}
   got, eos = [], tokenizer.eos_ids
   for path in paths:
@@ -438,14 +451,14 @@ def test_generate_data_and_train_from_jsonl_conversations(tmp_path):
   assert tokenizer.decode(want[1]).startswith('<system>Be brief.\n<user>hello world\n<assistant>hi')
   # train_draft reads the same file the same way (its evaluation prompts and data fallback).
   load = functools.partial(chat_data.tokenizer_for, config.target)
-  again = data_lib.prompts_from_config(config.data, cfg['vocab_size'], load)
+  again = prompt_io.prompts_from_config(config.data, cfg['vocab_size'], load)
   assert [p.tolist() for p in again] == want
   # One read gives both the prompts and their stop ids (the tokenizer's end of turn).
-  read, stops = data_lib.prompts_and_stops(config.data, cfg['vocab_size'], load)
+  read, stops = prompt_io.prompts_and_stops(config.data, cfg['vocab_size'], load)
   assert [p.tolist() for p in read] == want and stops == tokenizer.eos_ids
-  assert data_lib.prompts_and_stops(draft_tiny.get_config().data, 97, load)[1] is None
+  assert prompt_io.prompts_and_stops(draft_tiny.get_config().data, 97, load)[1] is None
   config.data.max_prompt_len = 30  # longer prompts are dropped
-  assert len(data_lib.prompts_from_config(config.data, cfg['vocab_size'], load)) < len(want)
+  assert len(prompt_io.prompts_from_config(config.data, cfg['vocab_size'], load)) < len(want)
 
 
 def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
@@ -457,7 +470,7 @@ def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
   config.eval.update(num_prompts=1, max_new_tokens=8)
   config.eval.heldout_subdirs = ('sampled', 'round2/greedy')  # a second set; one not there
   config.train.update(steps=10, log_every=5, checkpoint_every=10)
-  train_lib.train_and_evaluate(config, str(tmp_path))
+  head_trainer.train_and_evaluate(config, str(tmp_path))
   shards = sorted(p.relative_to(tmp_path / 'data').as_posix() for p in tmp_path.rglob('*.npz'))
   assert shards[0] == 'greedy/shard_00000.npz' and 'sampled/shard_00000.npz' in shards
   result = json.loads((tmp_path / 'result.json').read_text())
@@ -467,12 +480,12 @@ def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
   assert last['step'] == 10 and 0.0 <= last['heldout_accuracy/depth1'] <= 1.0
   assert 0.0 <= last['heldout_sampled_accuracy/depth1'] <= 1.0
   assert not any(k.startswith('heldout_round2') for k in last)
-  # experiments/eval_heads.py scores the exported head on the same batch and anchors as the log,
+  # experiments/tasks/heldout.py scores the exported head on the same batch and anchors as the log,
   # and decodes the held-out prompts into the stored greedy responses.
-  target = train_lib.load_target_from_config(config.target)
+  target = run_config.load_target_from_config(config.target)
   heads = {'h': js.load_draft_head(tmp_path / 'export', target)}
-  batch = train_lib.load_heldout_batch(config, tmp_path / 'data')
-  rows = eval_heads.evaluate_heads(config, target, heads, batch, [0, 3])
+  batch = run_config.load_heldout_batch(config, tmp_path / 'data')
+  rows = heldout.evaluate_heads(config, target, heads, batch, [0, 3])
   assert [(r['first_tokens'], r['drafter'][:4]) for r in rows] == [
     (0, 'h'),
     (0, 'copy'),
@@ -482,7 +495,7 @@ def test_train_draft_logs_heldout_metrics_beside_the_copy_baseline(tmp_path):
   np.testing.assert_allclose(rows[0]['expected_tau'], last['heldout_expected_tau'], rtol=1e-4)
   np.testing.assert_allclose(rows[1]['expected_tau'], copy['expected_tau'], rtol=1e-4)
   assert rows[3]['anchors'] < rows[1]['anchors']  # 2 anchors per sequence within 3 tokens
-  (decoded,) = eval_heads.decode_heads(
+  (decoded,) = heldout.decode_heads(
     target, heads, batch, max_new_tokens=6, method=js.methods.Chain()
   )
   assert decoded['equal_to_stored'] == decoded['sequences'] == 4 and decoded['tau'] >= 1.0
@@ -498,53 +511,53 @@ def test_heldout_subdirs_are_those_of_the_rounds_read(tmp_path):
       eval=dict(heldout_subdirs=('round1/greedy', 'round2/greedy', 'round4/greedy')),
     )
   )
-  assert train_lib.heldout_subdirs(config) == ['round1/greedy']
+  assert run_config.heldout_subdirs(config) == ['round1/greedy']
   config.data.prompt_rounds = 3
-  assert train_lib.heldout_subdirs(config) == ['round1/greedy', 'round2/greedy']
+  assert run_config.heldout_subdirs(config) == ['round1/greedy', 'round2/greedy']
 
 
 def test_eval_heads_flags_and_methods():
   """eval_heads' ``--heads`` pairs, and a JetSpec++ head asked for a chain decodes as the chain
   of its MASK drafting (what the walk scores) and of its recycled guesses; a DSpark head as its
   own chain, verified whole."""
-  assert eval_heads.parse_heads('a=x/y,b=z') == {'a': 'x/y', 'b': 'z'}
+  assert heldout.parse_heads('a=x/y,b=z') == {'a': 'x/y', 'b': 'z'}
   with pytest.raises(ValueError, match='name=directory'):
-    eval_heads.parse_heads('a=x,runs/b')
+    heldout.parse_heads('a=x,runs/b')
   kind = lambda k: types.SimpleNamespace(cfg=types.SimpleNamespace(kind=k, block_size=8))
   chain = js.methods.Chain(copy_len=2)
-  assert eval_heads.methods_for(kind('dflash'), chain) == [chain]
-  mask, recycled = eval_heads.methods_for(kind('jetspecpp'), chain)
+  assert heldout.methods_for(kind('dflash'), chain) == [chain]
+  mask, recycled = heldout.methods_for(kind('jetspecpp'), chain)
   assert (mask.recycle, recycled.recycle) == (False, True)
   assert mask.budget == recycled.budget == 8 and mask.width == 1 and mask.copy_len == 2
-  (dspark,) = eval_heads.methods_for(kind('dspark'), js.methods.Chain())
+  (dspark,) = heldout.methods_for(kind('dspark'), js.methods.Chain())
   assert isinstance(dspark, js.methods.DSpark) and dspark.threshold == 0.0
   with pytest.raises(ValueError, match='no copy candidates'):
-    eval_heads.methods_for(kind('dspark'), chain)
-  assert eval_heads.parse_method('chain') == js.methods.Chain()
-  assert eval_heads.parse_method('tree:budget=16, copy_len=4') == js.methods.Tree(
+    heldout.methods_for(kind('dspark'), chain)
+  assert heldout.parse_method('chain') == js.methods.Chain()
+  assert heldout.parse_method('tree:budget=16, copy_len=4') == js.methods.Tree(
     budget=16, copy_len=4
   )
-  assert eval_heads.parse_method('dspark:threshold=0.3').threshold == 0.3
-  merged = eval_heads.parse_method('tree:copy_prior=(0.2, 0.5),budget=8,depth_bonus=0.5')
+  assert heldout.parse_method('dspark:threshold=0.3').threshold == 0.3
+  merged = heldout.parse_method('tree:copy_prior=(0.2, 0.5),budget=8,depth_bonus=0.5')
   assert merged == js.methods.Tree(budget=8, copy_prior=(0.2, 0.5), depth_bonus=0.5)
   with pytest.raises(ValueError, match='key=value'):
-    eval_heads.parse_method('tree:16')
+    heldout.parse_method('tree:16')
   with pytest.raises(ValueError, match='not a number'):
-    eval_heads.parse_method('tree:budget=sixteen')
-  assert eval_heads.parse_method('tree:budget=8,algorithm=best_first').algorithm == 'best_first'
+    heldout.parse_method('tree:budget=sixteen')
+  assert heldout.parse_method('tree:budget=8,algorithm=best_first').algorithm == 'best_first'
   with pytest.raises(ValueError, match='algorithm must be one of'):
-    eval_heads.parse_method('tree:algorithm=widest')
+    heldout.parse_method('tree:algorithm=widest')
   with pytest.raises(ValueError, match='no setting'):
-    eval_heads.parse_method('tree:depth=3')
+    heldout.parse_method('tree:depth=3')
 
 
 def test_train_draft_binary_end_to_end(tmp_path):
   """The runlocal config: data, training with checkpoints, export, and a tau gain."""
   config = draft_tiny.get_config('runlocal')
-  result = train_lib.train_and_evaluate(config, str(tmp_path))
+  result = head_trainer.train_and_evaluate(config, str(tmp_path))
   assert result['steps'] == 120
   assert sorted(p.name for p in (tmp_path / 'checkpoints').iterdir()) == ['120', '60']
-  target = train_lib.load_target_from_config(config.target)
+  target = run_config.load_target_from_config(config.target)
   head = js.load_draft_head(tmp_path / 'export', target)
   assert head.cfg.block_size == 6 and head.cfg.causal
   assert result['tau_after'] > result['tau_before'] + 0.3, result
@@ -554,7 +567,7 @@ def test_train_draft_binary_end_to_end(tmp_path):
   assert resolved['train']['steps'] == 120 and resolved['eval']['method']['name'] == 'tree'
   # The walk over teacher-forced runs at every anchor of the stored greedy sequences is what
   # chain decoding their prompts does, round by round (training/walk.py).
-  source = data_lib.TokenShards(tmp_path / 'data', max_len=config.data.max_len)
+  source = shards_lib.TokenShards(tmp_path / 'data', max_len=config.data.max_len)
   items = [source[i] for i in range(4)]
   batch = {k: np.stack([item[k] for item in items]) for k in items[0]}
   accepted = 0
@@ -601,7 +614,7 @@ def test_a_bad_config_fails_before_any_work(change, message, tmp_path):
   config = draft_tiny.get_config('runlocal')
   change(config)
   with pytest.raises(ValueError, match=message):
-    train_lib.train_and_evaluate(config, str(tmp_path / 'train'))
+    head_trainer.train_and_evaluate(config, str(tmp_path / 'train'))
   with pytest.raises(ValueError, match=message):
     generate_data.run(config, str(tmp_path / 'data'))
   assert not (tmp_path / 'train' / 'checkpoints').exists() and not (tmp_path / 'data').exists()
@@ -610,10 +623,10 @@ def test_a_bad_config_fails_before_any_work(change, message, tmp_path):
 def test_target_dtype_from_config():
   """``target.dtype``: bfloat16 weights where asked; 'auto' is float32 on this CPU."""
   config = draft_tiny.get_config().target
-  assert train_lib.target_dtype('auto') == jnp.float32  # the suite runs on CPU
-  assert train_lib.load_target_from_config(config).dtype == jnp.float32
+  assert run_config.target_dtype('auto') == jnp.float32  # the suite runs on CPU
+  assert run_config.load_target_from_config(config).dtype == jnp.float32
   config.dtype = 'bfloat16'
-  target = train_lib.load_target_from_config(config)
+  target = run_config.load_target_from_config(config)
   assert {x.dtype for x in jax.tree.leaves(target.params)} == {jnp.dtype(jnp.bfloat16)}
 
 
@@ -633,26 +646,26 @@ def test_stored_features_train_like_the_target_pass(target, head_cfg, dataset, t
     progress=False,
     feature_taps=taps,
   )
-  with_features = data_lib.TokenShards(tmp_path, max_len=40)
-  plain = data_lib.TokenShards(dataset[0], max_len=40)
+  with_features = shards_lib.TokenShards(tmp_path, max_len=40)
+  plain = shards_lib.TokenShards(dataset[0], max_len=40)
   assert with_features.feature_taps == taps and plain.feature_taps is None
   np.testing.assert_array_equal(with_features.tokens, plain.tokens[:8])  # same greedy data
   item = with_features[5]
   n = int(item['lengths'])
-  hidden, feats = train_lib.target_pass(target, jnp.asarray(item['tokens'][None, :n]), taps)
+  hidden, feats = head_sums.target_pass(target, jnp.asarray(item['tokens'][None, :n]), taps)
   want = np.concatenate([np.asarray(feats[0]), np.asarray(hidden[0])], axis=-1)
   np.testing.assert_allclose(item['features'][: n - 1], want[: n - 1], atol=2e-2, rtol=1e-2)
   assert not item['features'][n - 1 :].any()
 
-  optimizer = train_lib.make_optimizer(lr=1e-3, steps=2, warmup_steps=1)
-  settings = train_lib.StepSettings(num_anchors=8, loss='fkl', loss_chunk=8)
-  step = train_lib.make_train_step(target, head_cfg, optimizer, settings, js.sharding.make_mesh(1))
-  batch = data_lib.make_batches(with_features, 4, seed=0)[0]
+  optimizer = loop_lib.make_optimizer(lr=1e-3, steps=2, warmup_steps=1)
+  settings = head_sums.StepSettings(num_anchors=8, loss='fkl', loss_chunk=8)
+  step = head_step.make_train_step(target, head_cfg, optimizer, settings, js.sharding.make_mesh(1))
+  batch = shards_lib.make_batches(with_features, 4, seed=0)[0]
   params = dh.init_head_params(head_cfg, jax.random.key(0))
-  _, stored = step(train_lib.init_state(params, optimizer), batch, jax.random.key(1))
+  _, stored = step(loop_lib.init_state(params, optimizer), batch, jax.random.key(1))
   no_features = {k: v for k, v in batch.items() if k != 'features'}
   params = dh.init_head_params(head_cfg, jax.random.key(0))
-  _, computed = step(train_lib.init_state(params, optimizer), no_features, jax.random.key(1))
+  _, computed = step(loop_lib.init_state(params, optimizer), no_features, jax.random.key(1))
   np.testing.assert_allclose(float(stored['loss']), float(computed['loss']), rtol=2e-3)
 
 
@@ -668,62 +681,63 @@ def test_features_recomputed_from_token_shards_equal_collected_ones(target, data
     batch_size=4, progress=False, feature_taps=taps,
   )  # fmt: skip
   tokens_only = tmp_path / 'tokens'
-  for shard in data_lib.shard_paths(collected):
+  for shard in shards_lib.shard_paths(collected):
     dst = tokens_only / shard.relative_to(collected)
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_bytes(shard.read_bytes())
   assert np.load(dst)['tokens'].dtype == np.uint16
   cache = tmp_path / 'features'
-  assert data_lib.TokenShards(tokens_only, 40, features_dir=cache).feature_taps is None
+  assert shards_lib.TokenShards(tokens_only, 40, features_dir=cache).feature_taps is None
   # Only the shards a run reads (the first of each directory here), then the second of two
   # workers' share (the other shard), then none.
   assert (
-    data_lib.compute_features(target, tokens_only, cache, taps, batch_size=4, shards_per_dir=1) == 1
+    features_lib.compute_features(target, tokens_only, cache, taps, batch_size=4, shards_per_dir=1)
+    == 1
   )
   # The taps file is written once, whole (workers start together), and never again: a later
   # call leaves even its formatting alone.
-  meta = cache / data_lib.FEATURE_TAPS_FILE
+  meta = cache / shards_lib.FEATURE_TAPS_FILE
   assert json.loads(meta.read_text()) == list(taps) and not list(cache.glob('*.tmp'))
-  assert data_lib.feature_taps(cache) == tuple(taps) and data_lib.feature_taps(tmp_path) is None
+  assert shards_lib.feature_taps(cache) == tuple(taps) and shards_lib.feature_taps(tmp_path) is None
   meta.write_text('[0,2]')
-  second_half = functools.partial(data_lib.compute_features, part=1, parts=2, batch_size=4)
-  assert data_lib.compute_features(target, tokens_only, cache, taps, part=0, parts=2) == 0
+  second_half = functools.partial(features_lib.compute_features, part=1, parts=2, batch_size=4)
+  assert features_lib.compute_features(target, tokens_only, cache, taps, part=0, parts=2) == 0
   assert second_half(target, tokens_only, cache, taps) == 1
-  assert data_lib.compute_features(target, tokens_only, cache, taps, batch_size=4) == 0
+  assert features_lib.compute_features(target, tokens_only, cache, taps, batch_size=4) == 0
   assert meta.read_text() == '[0,2]'
   with pytest.raises(ValueError, match='part 2 of 2'):
-    data_lib.compute_features(target, tokens_only, cache, taps, part=2, parts=2)
+    features_lib.compute_features(target, tokens_only, cache, taps, part=2, parts=2)
   want, got = (
-    data_lib.TokenShards(collected, 40),
-    data_lib.TokenShards(tokens_only, 40, features_dir=cache),
+    shards_lib.TokenShards(collected, 40),
+    shards_lib.TokenShards(tokens_only, 40, features_dir=cache),
   )
   assert got.feature_taps == taps == want.feature_taps and len(got) == len(want) == 6
   for i in range(6):
     np.testing.assert_array_equal(got[i]['tokens'], want[i]['tokens'])
     np.testing.assert_allclose(got[i]['features'], want[i]['features'], atol=2e-2, rtol=1e-2)
   with pytest.raises(ValueError, match='holds features of taps'):
-    data_lib.compute_features(target, tokens_only, cache, (1,))
+    features_lib.compute_features(target, tokens_only, cache, (1,))
   # The forward's matmul mode is recorded; a cache filled before that (no mode file) is float32.
-  assert data_lib.feature_compute_dtype(cache) == 'float32'
-  (cache / data_lib.FEATURE_COMPUTE_FILE).unlink()
-  assert data_lib.feature_compute_dtype(cache) == 'float32'
+  assert shards_lib.feature_compute_dtype(cache) == 'float32'
+  (cache / shards_lib.FEATURE_COMPUTE_FILE).unlink()
+  assert shards_lib.feature_compute_dtype(cache) == 'float32'
   with pytest.raises(ValueError, match='computed in float32, not bfloat16'):
-    data_lib.compute_features(target, tokens_only, cache, taps, compute_dtype='bfloat16')
+    features_lib.compute_features(target, tokens_only, cache, taps, compute_dtype='bfloat16')
   with pytest.raises(ValueError, match='compute_dtype must be one of'):
-    data_lib.compute_features(target, tokens_only, cache, taps, compute_dtype='float16')
+    features_lib.compute_features(target, tokens_only, cache, taps, compute_dtype='float16')
   # bfloat16 matmul inputs: a directory of its own, close to the float32 features, not equal.
   narrow = tmp_path / 'features_bf16'
-  assert data_lib.feature_compute_dtype(narrow) is None
-  compute_narrow = functools.partial(data_lib.compute_features, compute_dtype='bfloat16')
+  assert shards_lib.feature_compute_dtype(narrow) is None
+  compute_narrow = functools.partial(features_lib.compute_features, compute_dtype='bfloat16')
   assert compute_narrow(target, tokens_only, narrow, taps, batch_size=4) == 2
-  assert data_lib.feature_compute_dtype(narrow) == 'bfloat16'
-  near = data_lib.TokenShards(tokens_only, 40, features_dir=narrow)
+  assert shards_lib.feature_compute_dtype(narrow) == 'bfloat16'
+  near = shards_lib.TokenShards(tokens_only, 40, features_dir=narrow)
   gaps = [np.abs(near[i]['features'] - got[i]['features']).max() for i in range(6)]
   assert 0 < max(gaps) < 0.1, gaps
   # Features without the taps they were tapped at are refused, not read as tokens only.
-  (narrow / data_lib.FEATURE_TAPS_FILE).unlink()
+  (narrow / shards_lib.FEATURE_TAPS_FILE).unlink()
   with pytest.raises(FileNotFoundError, match='holds features but no feature_taps.json'):
-    data_lib.TokenShards(tokens_only, 40, features_dir=narrow)
+    shards_lib.TokenShards(tokens_only, 40, features_dir=narrow)
 
 
 def test_token_shards_keep_the_first_shards_of_each_directory(tmp_path):
@@ -732,11 +746,13 @@ def test_token_shards_keep_the_first_shards_of_each_directory(tmp_path):
     (tmp_path / sub).mkdir()
     for i in range(3):
       seqs = [np.arange(1, 6) + 10 * i + (100 if sub == 'sampled' else 0)]
-      data_lib.write_shard(tmp_path / sub / data_lib.SHARD_PATTERN.format(i), seqs, [np.ones(5)], 8)
-  assert len(data_lib.TokenShards(tmp_path)) == 6
-  pinned = data_lib.TokenShards(tmp_path, shards_per_dir=2)
+      shards_lib.write_shard(
+        tmp_path / sub / shards_lib.SHARD_PATTERN.format(i), seqs, [np.ones(5)], 8
+      )
+  assert len(shards_lib.TokenShards(tmp_path)) == 6
+  pinned = shards_lib.TokenShards(tmp_path, shards_per_dir=2)
   assert sorted(int(pinned[i]['tokens'][0]) for i in range(len(pinned))) == [1, 11, 101, 111]
-  after_heldout = data_lib.TokenShards(tmp_path, shards_per_dir=1, skip_per_dir=1)
+  after_heldout = shards_lib.TokenShards(tmp_path, shards_per_dir=1, skip_per_dir=1)
   assert sorted(int(after_heldout[i]['tokens'][0]) for i in range(2)) == [11, 111]
 
 
@@ -749,7 +765,7 @@ import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 import jetspec_jax as js
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.training import head_trainer as train_lib
+from jetspec_jax.training import head_step, head_sums, loop as loop_lib
 from absl import logging
 logging.set_verbosity(logging.WARNING)
 assert jax.device_count() == 4
@@ -762,12 +778,12 @@ batches = [
        index=jnp.arange(4, dtype=jnp.int32))
   for _ in range(6)
 ]
-opt = train_lib.make_optimizer(lr=1e-2, steps=6, warmup_steps=1)
-settings = train_lib.StepSettings(num_anchors=4, loss="fkl", loss_chunk=4)
+opt = loop_lib.make_optimizer(lr=1e-2, steps=6, warmup_steps=1)
+settings = head_sums.StepSettings(num_anchors=4, loss="fkl", loss_chunk=4)
 root = tempfile.mkdtemp()
 
 def run(workdir, mesh, **kw):
-  state, _ = train_lib.fit(target, cfg, batches, os.path.join(root, workdir), steps=6,
+  state, _ = head_step.fit(target, cfg, batches, os.path.join(root, workdir), steps=6,
                            optimizer=opt, settings=settings, seed=0, log_every=3,
                            checkpoint_every=3, mesh=js.sharding.make_mesh(*mesh), **kw)
   return jax.device_get(state)

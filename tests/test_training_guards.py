@@ -17,11 +17,13 @@ import pytest
 
 import jetspec_jax as js
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.models import hf_io, matmul
+from jetspec_jax.models import head_io, hf_io, matmul
 from jetspec_jax.training import blocks as blocks_lib
 from jetspec_jax.training import data as data_lib
-from jetspec_jax.training import head_trainer as train_lib
-from jetspec_jax.training import losses
+from jetspec_jax.training import features as features_lib
+from jetspec_jax.training import head_step, head_sums, losses
+from jetspec_jax.training import loop as loop_lib
+from jetspec_jax.training import shards as shards_lib
 from tests.conftest import VOCAB
 
 TAPS = (0, 1, 2)
@@ -48,7 +50,7 @@ def test_training_forward_equals_inference_for_every_head_kind(target, kind):
   head = random_head(target, kind)
   seq_len = 26
   tokens = jnp.asarray(js.testing.random_ids(4, (seq_len,), VOCAB))
-  hidden, feats = train_lib.target_pass(target, tokens[None], TAPS)
+  hidden, feats = head_sums.target_pass(target, tokens[None], TAPS)
   anchors = jnp.array([3, 11, 19], jnp.int32)
   span = head.cfg.block_size + int(kind == 'dspark')
   blk = blocks_lib.blocks_at(
@@ -61,7 +63,7 @@ def test_training_forward_equals_inference_for_every_head_kind(target, kind):
     head.cfg.mask_token_id,
   )
   if kind == 'dspark':  # the DSpark head's inputs are the first bs slots
-    _, blk = train_lib.dspark_blocks(
+    _, blk = head_sums.dspark_blocks(
       jax.random.key(0), tokens, jnp.ones((seq_len,)), jnp.int32(seq_len), head.cfg, 3
     )
     blk = blk._replace(tokens=blk.tokens.at[:, 0].set(tokens[anchors]))
@@ -70,7 +72,7 @@ def test_training_forward_equals_inference_for_every_head_kind(target, kind):
       context_mask=jnp.arange(seq_len)[None, None, :] < anchors[:, None, None],
     )
     blk = blk._replace(context_mask=jnp.broadcast_to(blk.context_mask, (3, 5, seq_len)))
-  out = train_lib.head_block_outputs(head.params, head.cfg, target, feats[0], blk)
+  out = head_sums.head_block_outputs(head.params, head.cfg, target, feats[0], blk)
   trained = dh.vocab_logits(target, out if kind == 'dspark' else out[:, 1:])
   for k, a in enumerate(np.asarray(anchors)):
     drafted = head.propose(target, feats[0, :a], tokens[a])
@@ -84,7 +86,7 @@ def test_training_forward_equals_inference_with_a_draft_vocabulary(target):
   vocab = jnp.array([0, 2, 3, 5, 8, 13, 16], jnp.int32)
   head = random_head(target, 'jetspec').replace(draft_vocab=vocab)
   tokens = jnp.asarray(js.testing.random_ids(5, (20,), VOCAB))
-  _, feats = train_lib.target_pass(target, tokens[None], TAPS)
+  _, feats = head_sums.target_pass(target, tokens[None], TAPS)
   blk = blocks_lib.blocks_at(
     jnp.array([9]),
     jnp.array([True]),
@@ -94,7 +96,7 @@ def test_training_forward_equals_inference_with_a_draft_vocabulary(target):
     5,
     head.cfg.mask_token_id,
   )
-  out = train_lib.head_block_outputs(head.params, head.cfg, target, feats[0], blk)
+  out = head_sums.head_block_outputs(head.params, head.cfg, target, feats[0], blk)
   reduced = dh.vocab_logits(target, out[0, 1:], vocab)
   drafted = head.propose(target, feats[0, :9], tokens[9])
   np.testing.assert_allclose(np.asarray(drafted[:, vocab]), np.asarray(reduced), atol=2e-4)
@@ -128,15 +130,15 @@ def lookahead_batch(rng, batch: int, seq_len: int, block_size: int, width: int, 
 def train_lookahead(target, shift: int, steps: int = 400):
   cfg = dh.config_for_target(target.cfg, num_layers=1, block_size=4, target_layer_ids=TAPS)
   width = (len(TAPS) + 1) * target.cfg.hidden_size  # taps, then the final hidden state
-  optimizer = train_lib.make_optimizer(lr=1e-2, steps=steps, warmup_steps=10)
-  settings = train_lib.StepSettings(num_anchors=8, loss='ce', loss_chunk=8, remat=False)
-  step = train_lib.make_train_step(target, cfg, optimizer, settings, js.sharding.make_mesh(1))
-  state = train_lib.init_state(dh.init_head_params(cfg, jax.random.key(0)), optimizer)
+  optimizer = loop_lib.make_optimizer(lr=1e-2, steps=steps, warmup_steps=10)
+  settings = head_sums.StepSettings(num_anchors=8, loss='ce', loss_chunk=8, remat=False)
+  step = head_step.make_train_step(target, cfg, optimizer, settings, js.sharding.make_mesh(1))
+  state = loop_lib.init_state(dh.init_head_params(cfg, jax.random.key(0)), optimizer)
   rng = np.random.default_rng(0)
   for i in range(steps):  # fresh sequences every step: learned, not memorised
     batch = lookahead_batch(rng, 8, 24, cfg.block_size, width, shift)
     state, metrics = step(state, batch, jax.random.key(i))
-  evaluate = train_lib.make_heldout_eval(
+  evaluate = head_step.make_heldout_eval(
     target, cfg, lookahead_batch(rng, 16, 24, cfg.block_size, width, shift), settings
   )
   return evaluate(state.params)
@@ -190,16 +192,16 @@ def test_a_draft_vocabulary_head_stays_lossless(target, prompts, ar_outputs, met
 def test_draft_vocabulary_round_trips_in_the_eagle3_layout(target, tmp_path):
   vocab = np.array([1, 4, 5, 9, 16], np.int32)
   head = random_head(target, 'jetspec').replace(draft_vocab=jnp.asarray(vocab))
-  hf_io.save_draft_head(head, tmp_path / 'h')
+  head_io.save_draft_head(head, tmp_path / 'h')
   tensors = hf_io.read_tensors(tmp_path / 'h')
   np.testing.assert_array_equal(tensors['d2t'], vocab - np.arange(5))
   assert tensors['t2d'].dtype == bool and np.flatnonzero(tensors['t2d']).tolist() == vocab.tolist()
-  loaded = hf_io.load_draft_head(tmp_path / 'h', target)
+  loaded = head_io.load_draft_head(tmp_path / 'h', target)
   np.testing.assert_array_equal(loaded.draft_vocab, vocab)
   bad = dict(tensors, d2t=tensors['d2t'][::-1].copy())
   hf_io.write_tensors(bad, tmp_path / 'h')
   with pytest.raises(hf_io.CheckpointError, match='d2t'):
-    hf_io.load_draft_head(tmp_path / 'h', target)
+    head_io.load_draft_head(tmp_path / 'h', target)
 
 
 def test_mixed_precision_matmul_and_its_gradients():
@@ -295,7 +297,7 @@ def shards(target, tmp_path_factory):
   data_lib.generate_dataset(target, prompts[:3], path / 'greedy', **kw)
   data_lib.generate_dataset(target, prompts[3:], path / 'sampled', temperature=1.0, **kw)
   features = tmp_path_factory.mktemp('features')
-  data_lib.compute_features(target, path, features, TAPS, batch_size=2, progress=False)
+  features_lib.compute_features(target, path, features, TAPS, batch_size=2, progress=False)
   return path, features
 
 
@@ -303,7 +305,7 @@ def test_target_argmax_labels(target, shards):
   """Labels are the target's greedy next token at every position: on greedy sequences the
   data's own tokens, on sampled ones what greedy drafting should predict there."""
   path, features = shards
-  source = data_lib.TokenShards(path, max_len=30, features_dir=features, target_labels=True)
+  source = shards_lib.TokenShards(path, max_len=30, features_dir=features, target_labels=True)
   greedy_differs = 0
   for i in range(len(source)):
     item = source[i]
@@ -318,32 +320,32 @@ def test_target_argmax_labels(target, shards):
     else:
       greedy_differs += int((~same).sum())
   assert greedy_differs > 0  # sampled data: the labels are not the sampled tokens
-  greedy = data_lib.TokenShards(
+  greedy = shards_lib.TokenShards(
     path, max_len=30, features_dir=features, target_labels=True, subdir='greedy'
   )
   np.testing.assert_array_equal(greedy[2]['labels'], source[2]['labels'])
   assert len(greedy) == 3
   with pytest.raises(FileNotFoundError, match='label'):
-    data_lib.TokenShards(path, max_len=30, target_labels=True)
+    shards_lib.TokenShards(path, max_len=30, target_labels=True)
 
 
 def test_heldout_metrics_are_logged_beside_training_ones(target, shards, tmp_path):
   path, features = shards
   cfg = dh.config_for_target(target.cfg, num_layers=1, block_size=4, target_layer_ids=TAPS)
-  source = data_lib.TokenShards(path, max_len=30, features_dir=features, target_labels=True)
+  source = shards_lib.TokenShards(path, max_len=30, features_dir=features, target_labels=True)
   items = [source[i] for i in range(3)]
   heldout = {k: np.stack([it[k] for it in items]) for k in items[0]}
   heldout['index'] = np.arange(3, dtype=np.int32)
-  settings = train_lib.StepSettings(num_anchors=4, loss='ce', loss_chunk=4, remat=False)
+  settings = head_sums.StepSettings(num_anchors=4, loss='ce', loss_chunk=4, remat=False)
   vocab = dh.draft_vocabulary(source.response_token_counts(VOCAB), 0.9, multiple=1)
-  evaluate = train_lib.make_heldout_eval(target, cfg, heldout, settings, vocab)
-  train_lib.fit(
+  evaluate = head_step.make_heldout_eval(target, cfg, heldout, settings, vocab)
+  head_step.fit(
     target,
     cfg,
-    data_lib.make_batches(source, 2, seed=0),
+    shards_lib.make_batches(source, 2, seed=0),
     str(tmp_path),
     steps=4,
-    optimizer=train_lib.make_optimizer(lr=1e-3, steps=4, warmup_steps=1),
+    optimizer=loop_lib.make_optimizer(lr=1e-3, steps=4, warmup_steps=1),
     settings=settings,
     log_every=2,
     checkpoint_every=4,
@@ -359,13 +361,13 @@ def test_heldout_metrics_are_logged_beside_training_ones(target, shards, tmp_pat
 
 
 def test_throughput_benchmark_variants():
-  from experiments import benchmark_training
+  from experiments.tasks import training_throughput
 
-  assert benchmark_training.parse_variant('full') == (0.0, None)
-  assert benchmark_training.parse_variant('vocab99+bf16') == (0.99, 'bfloat16')
-  assert benchmark_training.parse_variant('vocab995') == (0.995, None)
+  assert training_throughput.parse_variant('full') == (0.0, None)
+  assert training_throughput.parse_variant('vocab99+bf16') == (0.99, 'bfloat16')
+  assert training_throughput.parse_variant('vocab995') == (0.995, None)
   with pytest.raises(ValueError, match='unknown variant'):
-    benchmark_training.parse_variant('vocab')
+    training_throughput.parse_variant('vocab')
 
 
 def test_mixed_precision_matmul_rows_do_not_depend_on_the_row_count():

@@ -1,15 +1,15 @@
 """Where a JetSpec round's time goes, against the weight-read limit (one device, batch 1).
 
 Run on an accelerator (random bf16 weights; nothing to download):
-  python -m experiments.benchmark_accel --config=experiments/configs/accel.py:qwen3_8b \
+  python -m experiments.microbench --config=experiments/configs/accel.py:qwen3_8b \
       --workdir=benchmarks
 Other args: ``qwen3_30b_a3b``; ``tiny`` is the CPU smoke run CI executes. On a CPU (float32,
 XLA attention; each part also as a multiple of one decode step, plus the Qwen3-8B prefill memory):
-  python -m experiments.benchmark_accel --config=experiments/configs/accel.py:smollm2_135m \
+  python -m experiments.microbench --config=experiments/configs/accel.py:smollm2_135m \
       --workdir=benchmarks
   (and ``:qwen3_0_6b``).
 Result: no accelerator run recorded yet. CPU (2 cores, float32;
-benchmarks/accel_smollm2_135m_cpu.md): decode 36.8 ms at context 512; verify 16/64 nodes
+benchmarks/history/accel_smollm2_135m_cpu.md): decode 36.8 ms at context 512; verify 16/64 nodes
 2.33x/5.20x a decode step; full round at budget 32 2.96x; Qwen3-8B prefill temporaries
 1.42 GiB at 4k and 16k tokens.
 """

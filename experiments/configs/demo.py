@@ -32,7 +32,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # faster, and its ar reads the same prefill, so its tree still equals its ar); None: split.
   config.bfloat16x2_prefill = 'bfloat16'
   # The head drafts with bfloat16-input projections (DraftHead.with_compute_dtype): draft scores
-  # only, so the output is the same; its share of a round shrinks (benchmarks/smollm2_135m_bf16).
+  # only, so the output is the same; its share of a round shrinks
+  # (benchmarks/history/smollm2_135m_bf16).
   config.head_compute_dtype = 'bfloat16'
   if arg in ('code_small', 'tiny'):
     config.target = 'assets/target_code_small'

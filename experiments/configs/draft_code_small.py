@@ -1,18 +1,17 @@
 """The embedded default's two heads: JetSpec (causal) and DFlash-style (bidirectional).
 
 Run (after experiments/configs/target_code_small.py has produced assets/target_code_small):
-  python -m experiments.generate_data --config=experiments/configs/draft_code_small.py:jetspec \
+  python -m experiments.data --config=experiments/configs/draft_code_small.py:jetspec \
       --workdir=runs/heads_data
-  python -m experiments.train_draft --config=experiments/configs/draft_code_small.py:jetspec \
+  python -m experiments.train --config=experiments/configs/draft_code_small.py:jetspec \
       --config.data.dir=runs/heads_data/data --workdir=runs/jetspec_head
-  python -m experiments.train_draft --config=experiments/configs/draft_code_small.py:dflash \
+  python -m experiments.train --config=experiments/configs/draft_code_small.py:dflash \
       --config.data.dir=runs/heads_data/data --workdir=runs/dflash_head
   cp runs/jetspec_head/export/* assets/jetspec_head_code_small/
   cp runs/dflash_head/export/* assets/dflash_head_code_small/
 Both heads train on the same self-distilled data: the target's greedy continuations of function
 signatures + docstrings cut from the standard library's training split (never the held-out
-modules or HumanEval). Result of the committed run (500 steps each): tree tau (budget 32, W 7)
-on 8 training prompts 1.00 -> 2.74 (JetSpec) and 1.00 -> 2.80 (DFlash-style); assets/README.md.
+modules or HumanEval); 500 steps each. Their cards: assets/{jetspec,dflash}_head_code_small/.
 """
 
 import ml_collections

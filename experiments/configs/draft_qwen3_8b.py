@@ -1,11 +1,11 @@
 """The paper's recipe for a Qwen3-8B JetSpec head (docs/draft_head.md §1, docs/training.md §7).
 
 Run (8 chips: tensor parallel over all of them, ``mesh.model``; per-device memory in the
-README's table, ``experiments/memory_plan.py``):
-  python -m experiments.generate_data --config=experiments/configs/draft_qwen3_8b.py \
+README's table, ``experiments/tasks/memory_plan.py``):
+  python -m experiments.data --config=experiments/configs/draft_qwen3_8b.py \
       --config.target.path=/ckpt/Qwen3-8B --config.data.prompts=/data/prompts.jsonl \
       --workdir=/runs/jetspec-8b
-  python -m experiments.train_draft --config=experiments/configs/draft_qwen3_8b.py \
+  python -m experiments.train --config=experiments/configs/draft_qwen3_8b.py \
       --config.target.path=/ckpt/Qwen3-8B --config.data.prompts=/data/prompts.jsonl \
       --workdir=/runs/jetspec-8b
 
@@ -59,7 +59,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     gamma=0.0,
     loss_chunk=16,
     global_batch=16,
-    # Per-device memory on 8 x 16 GiB (the README's table, experiments/memory_plan.py): tensor
+    # Per-device memory on 8 x 16 GiB (the README's table, experiments/tasks/memory_plan.py): tensor
     # parallel over 8 devices, one sequence at a time, 16 anchors at a time.
     micro_batches=16,
     anchor_chunk=16,

@@ -1,54 +1,38 @@
-"""Heads for SmolLM2-135M-Instruct (the main job's model): JetSpec (causal) and DFlash-style.
+"""Heads for SmolLM2-135M-Instruct (the main job's model): JetSpec, DFlash-style, JetSpec++ and
+DSpark, one recipe.
 
-Data (once, shared by every head; resumable: re-run the same command; hours on 2 CPU cores). The
-token shards are written into the repository (``data/smollm2_135m/``: the self-written
-instructions and the greedy / sampled responses, uint16, compressed) and committed, so a fresh
-machine starts from them; the target features are a cache outside the repository, rebuilt from the
-tokens by a batched forward the first time a head trains (``data.features_dir``):
-  python -m experiments.generate_data --config=experiments/configs/draft_smollm2.py \
+Data (once, shared by every head; resumable; hours on 2 CPU cores). The token shards are committed
+(``data/smollm2_135m/``, its card says what they hold); the target features are a cache outside
+the repository, rebuilt from the tokens the first time a head trains (``data.features_dir``):
+  python -m experiments.data --config=experiments/configs/draft_smollm2.py \
       --workdir=data/smollm2_135m
-Heads (same data, size and steps):
-  python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:jetspec \
+Heads: the presets ``jetspec``, ``dflash``, ``jetspecpp`` and ``dspark`` train on prompt round 0
+(1,600 steps); ``<head>_shipped`` continues from that head's export for 1,500 steps on rounds
+0-2, the shipped heads' recipe (their cards: assets/<head>_head_smollm2_135m/README.md):
+  python -m experiments.train --config=experiments/configs/draft_smollm2.py:jetspec \
       --workdir=runs/jetspec
-  python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:dflash \
-      --workdir=runs/dflash
-  python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:dspark \
-      --workdir=runs/dspark
-  python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:jetspecpp \
-      --workdir=runs/jetspecpp
-Status: the shipped JetSpec and DFlash-style heads (assets/{jetspec,dflash}_head_smollm2_135m)
-are this config's preset with nothing else set (the round-0 heads below), then 1,500 steps on
-rounds 0-2 (the DFlash-style head from the bfloat16 feature cache, session 60):
-  python -m experiments.train_draft --config=experiments/configs/draft_smollm2.py:jetspec \
-      --config.data.prompt_rounds=3 --config.train.init_from=<the round-0 head> \
-      --config.train.steps=1500 --config.train.lr=5e-4 --workdir=runs/jetspec_r012_ft1500
-The round-0 JetSpec head (shipped before session 54; a450b14), the round-0 DFlash-style head
-(shipped before session 60; ac9a618) and the shipped JetSpec++ and DSpark heads
-(assets/{jetspecpp,dspark}_head_smollm2_135m) are this config's
-presets with nothing else set: all of round 0 after the held-out shard (greedy 1-59 and sampled
-1-19: 4,928 sequences, 1.25M tokens; greedy 0 is the held-out set), 1,600 steps of 8 sequences x 32
-blocks, copy seeds (JetSpec, DFlash-style; JetSpec++ fills its slots with its own guesses), depth
-weights, init from the target's last layers. DSpark trains on greedy 1-56 (4,784 sequences): greedy
-57-58 are its calibration's held-out shards. Held-out numbers, wall times and the runs behind each
-head: assets/README.md. Round 1 (``prompt_rounds=2``) and round 2 (``prompt_rounds=3``, the 'tasks'
-mix below) are committed in full; the shipped JetSpec and DFlash-style heads read what 6c627ae had
-of them (9,931 sequences of rounds 0-2).
+  python -m experiments.train --config=experiments/configs/draft_smollm2.py:jetspec_shipped \
+      --workdir=runs/jetspec_shipped
+``public_chat`` is the data of prompts people send (data/public_chat/README.md).
 
 Prompts are made offline and never include an evaluation prompt: instructions the model writes
 itself from its bare user-turn prefix, coding tasks from the standard library's training split,
-and templated math word problems (evaluation uses HumanEval, `EVAL_CHAT_INSTRUCTIONS` and the
-disjoint `EVAL_MATH_TEMPLATES`; see jetspec_jax/chat_prompts.py). Responses are the target's own:
-greedy, and sampled at T=1 (no top-p, as the T=1 benchmark samples) for every 4th prompt.
+and templated math word problems (evaluation uses HumanEval, ``EVAL_CHAT_INSTRUCTIONS`` and the
+disjoint ``EVAL_MATH_TEMPLATES`` of jetspec_jax/training/chat_prompts.py). Responses are the
+target's own: greedy, and sampled at T=1 for every 4th prompt.
 """
 
 import ml_collections
 
 from experiments.configs import draft_tiny
 from jetspec_jax import corpus
-from jetspec_jax.models import gguf_io
+from jetspec_jax.models import model_cache
 
 
 def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
+  # '<head>_shipped': the shipped head's second stage, from the first stage's export
+  shipped = arg is not None and arg.endswith('_shipped')
+  arg = arg.removesuffix('_shipped') if shipped else arg
   config = draft_tiny.get_config()
   config.target = ml_collections.ConfigDict(
     dict(
@@ -78,12 +62,12 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict(
     dict(
       dir='data/smollm2_135m/data',  # committed token shards (generate_data's workdir/data)
-      features_dir=str(gguf_io.cache_dir() / 'features' / 'smollm2_135m'),  # rebuilt cache
+      features_dir=str(model_cache.cache_dir() / 'features' / 'smollm2_135m'),  # rebuilt cache
       feature_batch=8,
-      # 'bfloat16': the cache's forward with bfloat16 matmul inputs, about 1.7x faster with AMX,
-      # 99.7% of labels equal to the float32 forward's (assets/README.md); it needs its own
-      # features_dir (e.g. .../smollm2_135m_bf16). The shipped heads trained on float32 features;
-      # a head trained on bfloat16 ones scored within 0.01 of them (assets/README.md, session 58).
+      # 'bfloat16': the cache's forward with bfloat16 matmul inputs, faster with AMX, its labels
+      # nearly all equal to the float32 forward's; it needs its own features_dir (e.g.
+      # .../smollm2_135m_bf16). Heads trained on either score alike
+      # (benchmarks/history/README.md, "feature_dtype").
       features_compute_dtype='float32',
       prompts='chat_mix',
       num_instructions=2400,
@@ -116,21 +100,17 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       regenerate_missing=False,
       only_shards='',  # e.g. 'greedy:35,36': generate just those (held-out calibration data)
       feature_taps=(1, 8, 15, 22, 27),  # = head.target_layer_ids; the features training reads
-      # Train on the first N shards of greedy/ and sampled/ after the held-out one (0: all, the
-      # shipped heads' 4,928 sequences; DSpark: 56, see below). 34: 3,376 sequences, the previous
-      # heads' data; 20: the 2,480 sequences of the equal-data runs; 10: 1,280 sequences, the
-      # smallest point of the scaling table (assets/README.md).
+      # Train on the first N shards of each directory after the held-out one (0: all; DSpark:
+      # 56, see below); smaller N are the data-scaling studies (benchmarks/history/README.md).
       shards_per_dir=0,
     )
   )
   config.train.update(
-    # Sized for 2 CPU cores (measured on an AMD EPYC, float32, 8 sequences x 480 tokens, by
-    # experiments/benchmark_training.py; assets/README.md has the table): the whole vocabulary
-    # ran 382 slots/s at 16 anchors, the 99% draft vocabulary 585 (1.56x the code before it,
-    # 375); 32 anchors give the same slots/s with twice the data per step. bfloat16-input
-    # matmuls (compute_dtype) are slower on that CPU (no AMX, no AVX512-BF16) and 1.1x faster on
-    # one with AVX512-BF16 (681 -> 753 slots/s, benchmarks/training_throughput_smollm2_avx512bf16
-    # .json): off, so every head here trains in float32.
+    # Sized for 2 CPU cores (experiments/tasks/training_throughput.py; the studies:
+    # benchmarks/history/README.md): the 99% draft vocabulary trains faster than the whole one,
+    # 32 anchors give the same slots/s as 16 with twice the data per step, and bfloat16-input
+    # matmuls (compute_dtype) pay only on a CPU with AMX or AVX512-BF16: off, so every head
+    # here trains in float32.
     num_anchors=32,
     loss='ce',
     labels='target_argmax',  # CE on the target's greedy token, also on sampled sequences
@@ -160,8 +140,9 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     # like the other heads' block 8; Markov rank 256 and the loss weights exp(-k/4) of the
     # paper's code; its loss needs the teacher's logits (the stored final hidden states).
     config.head.update(block_size=7, causal=False, markov_rank=256, copy_seed=0)
-    # greedy 57-58 stay out of training: the held-out shards experiments/calibrate_dspark.py fits
-    # and reports the confidence temperatures on (--fit_shards=57,1 --eval_shards=58,1)
+    # greedy 57-58 stay out of training: the held-out shards the confidence temperatures are
+    # fitted and reported on (experiments/tasks/dspark_calibration.py, --fit_shards=57,1
+    # --eval_shards=58,1)
     config.data.update(shards_per_dir=56)
     config.train.update(loss='dspark', gamma=4.0)
     # chain tau: verify every token
@@ -169,12 +150,23 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
   if arg == 'jetspecpp':
     # JetSpec++: the JetSpec head plus draft_embed; each step's 16 blocks per sequence are 8
     # clean blocks and 8 second blocks after them (2 in-round refine passes, 2 noisy-context
-    # blocks, 4 next-round refine blocks: head_trainer.second_block_outputs), plus the
+    # blocks, 4 next-round refine blocks: head_sums.second_block_outputs), plus the
     # consistency term on the in-round pairs.
-    # copy_seed=0: the shipped head; --config.head.copy_seed=3 seeds the slots its recycled
-    # guesses leave empty with copy candidates (not trained yet)
-    config.head.update(refine=True, copy_seed=0)
+    # copy_seed=3: the slots its recycled guesses leave empty hold copy candidates (the shipped
+    # head; 0: every empty slot MASK)
+    config.head.update(refine=True, copy_seed=3)
     config.eval.method = ml_collections.ConfigDict(dict(name='jetspecpp', budget=32, width=7))
+  if shipped:
+    # The shipped heads' second stage: the first stage's head (this preset without the suffix,
+    # its export in runs/<head>/export) + 1,500 steps on prompt rounds 0-2, a fresh optimiser.
+    config.data.prompt_rounds = 3
+    config.train.update(init_from=f'runs/{arg}/export', steps=1500, lr=5e-4)
+    config.eval.update(num_prompts=2, max_new_tokens=48)
+    if arg == 'dflash':  # it read the bfloat16 feature cache (within 0.01 of the float32 one)
+      config.data.update(
+        features_compute_dtype='bfloat16',
+        features_dir=str(model_cache.cache_dir() / 'features' / 'smollm2_135m_bf16'),
+      )
   if arg == 'public_chat':
     # Data from prompts people send (jetspec_jax/training/public_chat.py; card:
     # data/public_chat/README.md): ShareGPT and Alpaca user turns, up to 3 turns a conversation,

@@ -1,11 +1,10 @@
 """Train a tiny JetSpec head on a tiny random target's own (self-distilled) outputs.
 
 Run:
-  python -m experiments.train_draft --config=experiments/configs/draft_tiny.py --workdir=/tmp/draft
-  python -m experiments.train_draft --config=experiments/configs/draft_tiny.py:runlocal \
+  python -m experiments.train --config=experiments/configs/draft_tiny.py --workdir=/tmp/draft
+  python -m experiments.train --config=experiments/configs/draft_tiny.py:runlocal \
       --workdir=/tmp/draft_local       # smaller; what the test suite runs
-Expect (2 CPU cores, measured): see the closing note of the training issue; `result.json` in the
-workdir records tau before and after training.
+`result.json` in the workdir records tau before and after training.
 """
 
 import ml_collections

@@ -1,14 +1,13 @@
 """A small Qwen3-architecture code model trained from scratch on the Python standard library.
 
 Run (resumable; re-run the same command after an interruption):
-  python -m experiments.train_target --config=experiments/configs/target_code_small.py \
+  python -m experiments.train --task=target --config=experiments/configs/target_code_small.py \
       --workdir=runs/target_code_small
   cp -r runs/target_code_small/export/. assets/target_code_small/
 Tiny smoke run (what CI runs): ``--config=experiments/configs/target_code_small.py:tiny``.
 
-Held-out modules (validation): see ``validation_modules``. Result of the committed run
-(5,574,272 parameters, 1500 steps, ~41 min on 2 CPU cores): validation loss 3.92 on the held-out
-modules (training loss ~2.2); details in assets/README.md.
+Held-out modules (validation): see ``validation_modules``. The committed model's card:
+assets/target_code_small/README.md.
 """
 
 import ml_collections

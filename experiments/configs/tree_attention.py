@@ -1,12 +1,12 @@
 """Tree-attention kernel benchmark: Pallas kernel vs the XLA dense-mask path.
 
 Run (GPU or TPU, the platform's kernel; Qwen3-8B attention shapes, bf16):
-  python -m experiments.benchmark_tree_attention --config=experiments/configs/tree_attention.py \
+  python -m experiments.microbench --task=kernel --config=experiments/configs/tree_attention.py \
       --workdir=benchmarks
 CPU smoke run (interpret mode, tiny shapes; what CI runs):
-  python -m experiments.benchmark_tree_attention \
+  python -m experiments.microbench --task=kernel \
       --config=experiments/configs/tree_attention.py:tiny --workdir=/tmp/bench
-Result: no GPU run recorded yet (see the issue's closing note).
+No accelerator run is recorded in the repository yet.
 """
 
 import ml_collections

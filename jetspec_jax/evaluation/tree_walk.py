@@ -29,7 +29,7 @@ from jetspec_jax.methods import tree as tree_method
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.models import matmul
 from jetspec_jax.training import blocks as blocks_lib
-from jetspec_jax.training import head_trainer
+from jetspec_jax.training import head_sums
 
 LENGTH_BUCKET = 256  # sequences are padded to a multiple of it: one compile per bucket
 
@@ -129,7 +129,7 @@ def accepted_at_anchors(
   blk, valid = blocks_lib.every_anchor_blocks(cfg, tokens, loss_mask, length)
   anchors = jnp.arange(seq_len, dtype=jnp.int32)
   compute_dtype = matmul.resolve(head.compute_dtype)  # drafting's own precision (decode's too)
-  context_kv = head_trainer.head_context_kv(head.params, cfg, features, compute_dtype)
+  context_kv = head_sums.head_context_kv(head.params, cfg, features, compute_dtype)
   pad = -seq_len % chunk
   grouped = jax.tree.map(
     lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape((-1, chunk) + x.shape[1:]),
@@ -140,7 +140,7 @@ def accepted_at_anchors(
 
   def one_chunk(args):
     b, pos = args
-    out = head_trainer.head_blocks_on_context(
+    out = head_sums.head_blocks_on_context(
       head.params, cfg, target, context_kv, b, features.dtype, compute_dtype
     )
     anchor = tokens[pos].astype(jnp.int32)
@@ -180,7 +180,7 @@ def accepted_at_anchors(
 @functools.partial(jax.jit, static_argnames=('taps',))
 def sequence_features(target, tokens, taps: tuple[int, ...]):
   """The target's teacher-forced taps ``[L, F]`` of one sequence and its argmax ``[L]``."""
-  hidden, features = head_trainer.target_pass(target, tokens[None], taps)
+  hidden, features = head_sums.target_pass(target, tokens[None], taps)
   return features[0], jnp.argmax(target.lm_logits(hidden[0]), axis=-1).astype(jnp.int32)
 
 

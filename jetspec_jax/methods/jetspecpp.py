@@ -137,9 +137,9 @@ class JetSpecPP(Method):
   name = 'jetspecpp'
   head_kinds = ('jetspecpp',)
 
-  budget: int = 64
+  budget: int = dataclasses.field(default_factory=tree_method.default_budget)
   width: int = 7
-  algorithm: str = 'accum_logp'
+  algorithm: str = tree_method.DEFAULT_ALGORITHM
   copy_len: int = 0
   copy_ngram: int = 4
   recycle: bool = True

@@ -30,6 +30,19 @@ from jetspec_jax.typing import Array
 COPY_STATS = ('copy_nodes', 'copy_accepted')
 # The head kinds whose per-depth logits build a tree (DSpark and JetSpec++ heads run their own).
 TREE_HEADS = ('jetspec', 'dflash')
+# The defaults are the measured best (docs/methods.md, "Defaults"): ``best_first`` commits more
+# per round than ``accum_logp`` at every budget of the public table; the budget is per platform,
+# because a CPU verifies a tree at a cost that grows with its nodes (8 is its fastest setting,
+# the main job's table) and an accelerator verifies the paper's 128 nodes in about one decode
+# step.
+DEFAULT_ALGORITHM = 'best_first'
+CPU_BUDGET = 8
+ACCELERATOR_BUDGET = 128
+
+
+def default_budget() -> int:
+  """The tree budget for the platform JAX runs on: ``CPU_BUDGET`` or ``ACCELERATOR_BUDGET``."""
+  return CPU_BUDGET if jax.default_backend() == 'cpu' else ACCELERATOR_BUDGET
 
 
 def check_copy(copy_len: int, copy_ngram: int) -> None:
@@ -70,9 +83,9 @@ class Tree(Method):
   name = 'tree'
   head_kinds = TREE_HEADS
 
-  budget: int = 64
+  budget: int = dataclasses.field(default_factory=default_budget)
   width: int = 7
-  algorithm: str = 'accum_logp'
+  algorithm: str = DEFAULT_ALGORITHM
   copy_len: int = 0
   copy_ngram: int = 4
   copy_prior: tuple[float, ...] = ()

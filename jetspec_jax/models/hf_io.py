@@ -34,10 +34,9 @@ from collections.abc import Callable, Iterator, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from etils import epath
 
 from jetspec_jax import sharding
-from jetspec_jax.models import checkpoint_files, decoder, draft_head, gguf_io
+from jetspec_jax.models import checkpoint_files, decoder, model_cache
 from jetspec_jax.models.checkpoint_files import (  # noqa: F401  (re-exported)
   INDEX_FILE,
   SINGLE_FILE,
@@ -123,7 +122,7 @@ def config_from_hf(hf: Mapping) -> decoder.DecoderConfig:
   )
 
 
-def _architecture_fields(cfg, dtype) -> dict:
+def architecture_fields(cfg, dtype) -> dict:
   """The ``config.json`` fields shared by targets and heads (same attribute names)."""
   return dict(
     vocab_size=cfg.vocab_size,
@@ -146,7 +145,7 @@ def _architecture_fields(cfg, dtype) -> dict:
 def config_to_hf(cfg: decoder.DecoderConfig, dtype=jnp.float32) -> dict:
   """The Hugging Face ``config.json`` dict for ``cfg``."""
   hf = dict(
-    _architecture_fields(cfg, dtype),
+    architecture_fields(cfg, dtype),
     tie_word_embeddings=cfg.tie_word_embeddings,
     use_sliding_window=False,
     eos_token_id=cfg.eos_token_id,
@@ -172,18 +171,18 @@ def config_to_hf(cfg: decoder.DecoderConfig, dtype=jnp.float32) -> dict:
 # Name mapping.
 
 # One entry per Flax leaf: (flax path, HF name, to_flax(hf_array), to_hf(flax_array)).
-_Rule = tuple[tuple[str, ...], str, Callable, Callable]
+Rule = tuple[tuple[str, ...], str, Callable, Callable]
 
 
-def _t(x):
+def transposed(x):
   return x.T
 
 
-def _ident(x):
+def identity(x):
   return x
 
 
-def _layer_rules(
+def layer_rules(
   lp: str,
   hp: str,
   attn: tuple[str, ...],
@@ -215,91 +214,30 @@ def _layer_rules(
     lambda x: x.reshape(n * h, d).T,
   )
   for norm in ('q_norm', 'k_norm') if qk_norm else ():
-    yield (lp, *attn, norm, 'scale'), f'{hp}.self_attn.{norm}.weight', _ident, _ident
+    yield (lp, *attn, norm, 'scale'), f'{hp}.self_attn.{norm}.weight', identity, identity
   for norm in ('input_layernorm', 'post_attention_layernorm'):
-    yield (lp, norm, 'scale'), f'{hp}.{norm}.weight', _ident, _ident
+    yield (lp, norm, 'scale'), f'{hp}.{norm}.weight', identity, identity
 
 
-def _mlp_rules(lp: str, hp: str):
+def mlp_rules(lp: str, hp: str):
   for proj in ('gate_proj', 'up_proj', 'down_proj'):
-    yield (lp, 'mlp', proj, 'kernel'), f'{hp}.mlp.{proj}.weight', _t, _t
+    yield (lp, 'mlp', proj, 'kernel'), f'{hp}.mlp.{proj}.weight', transposed, transposed
 
 
-def _target_rules(cfg: decoder.DecoderConfig) -> Iterator[_Rule]:
+def _target_rules(cfg: decoder.DecoderConfig) -> Iterator[Rule]:
   dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size)
-  yield ('embed_tokens', 'embedding'), 'model.embed_tokens.weight', _ident, _ident
+  yield ('embed_tokens', 'embedding'), 'model.embed_tokens.weight', identity, identity
   for i in range(cfg.num_hidden_layers):
     lp, hp = f'layers_{i}', f'model.layers.{i}'
-    yield from _layer_rules(lp, hp, ('self_attn',), *dims, cfg.qk_norm, cfg.attention_bias)
+    yield from layer_rules(lp, hp, ('self_attn',), *dims, cfg.qk_norm, cfg.attention_bias)
     if cfg.is_sparse_layer(i):
       # The router; experts are many HF tensors per Flax leaf (see _expert_leaves).
-      yield (lp, 'mlp', 'gate', 'kernel'), f'{hp}.mlp.gate.weight', _t, _t
+      yield (lp, 'mlp', 'gate', 'kernel'), f'{hp}.mlp.gate.weight', transposed, transposed
     else:
-      yield from _mlp_rules(lp, hp)
-  yield ('norm', 'scale'), 'model.norm.weight', _ident, _ident
+      yield from mlp_rules(lp, hp)
+  yield ('norm', 'scale'), 'model.norm.weight', identity, identity
   if not cfg.tie_word_embeddings:
-    yield ('lm_head', 'kernel'), 'lm_head.weight', _t, _t
-
-
-def _head_rules(cfg: draft_head.DraftHeadConfig) -> Iterator[_Rule]:
-  dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size)
-  yield ('fc', 'kernel'), 'fc.weight', _t, _t
-  yield ('hidden_norm', 'scale'), 'hidden_norm.weight', _ident, _ident
-  for i in range(cfg.num_hidden_layers):
-    yield from _layer_rules(f'layers_{i}', f'layers.{i}', (), *dims)
-    yield from _mlp_rules(f'layers_{i}', f'layers.{i}')
-  yield ('norm', 'scale'), 'norm.weight', _ident, _ident
-  if cfg.markov_rank:  # DSpark: the Markov stage (Embedding(V, r), Linear(r, V)) and confidence
-    yield ('markov', 'embed'), 'markov_head.embed.weight', _ident, _ident
-    yield ('markov', 'proj'), 'markov_head.proj.weight', _t, _t
-    yield ('confidence', 'kernel'), 'confidence_head.weight', _row_out, _row_in
-    yield ('confidence', 'bias'), 'confidence_head.bias', _row_out, _row_in
-  if cfg.reads_guesses:  # JetSpec++ / copy-seeded: the vector added to a guessed token's embedding
-    yield ('draft_embed',), 'draft_embed.weight', _ident, _ident
-
-
-def _row_out(x):  # torch Linear(n, 1) weight [1, n] / bias [1] -> [n] / []
-  return x.reshape(x.shape[1:])
-
-
-def _row_in(x):
-  return x.reshape((1,) + x.shape)
-
-
-CALIBRATION_TENSOR = 'confidence_head.temperature'  # DSpark: per-position STS temperatures
-# A reduced draft vocabulary in EAGLE-3's layout: ``d2t[i] = token_id - i`` for draft index i
-# (int64 [K]) and ``t2d[token_id]`` true where the id is in the draft vocabulary (bool [V]).
-DRAFT_VOCAB_TENSORS = ('d2t', 't2d')
-
-
-def draft_vocab_tensors(draft_vocab, vocab_size: int) -> dict[str, np.ndarray]:
-  """``d2t`` / ``t2d`` of draft token ids (EAGLE-3's offsets), stored sorted and once each.
-
-  A head scores its draft ids by token id (the target's LM head rows, a DSpark head's Markov
-  columns), so their order carries nothing and sorting keeps what the head drafts."""
-  ids = np.unique(np.asarray(draft_vocab, np.int64))
-  if len(ids) == 0 or ids[0] < 0 or ids[-1] >= vocab_size:
-    raise ValueError(f'draft_vocab must hold token ids in [0, {vocab_size}), got {len(ids)} ids')
-  t2d = np.zeros((vocab_size,), bool)
-  t2d[ids] = True
-  return dict(d2t=ids - np.arange(len(ids)), t2d=t2d)
-
-
-def draft_vocab_from_tensors(tensors, vocab_size: int, where) -> np.ndarray | None:
-  """The sorted draft token ids stored as ``d2t`` / ``t2d``, checked; None if absent."""
-  if 'd2t' not in tensors:
-    return None
-  d2t = np.asarray(tensors['d2t'], np.int64)
-  ids = d2t + np.arange(len(d2t))
-  if d2t.ndim != 1 or len(ids) == 0 or ids.min() < 0 or ids.max() >= vocab_size:
-    raise CheckpointError(f'{where}: d2t maps outside the vocabulary [0, {vocab_size})')
-  if np.any(np.diff(ids) <= 0):
-    raise CheckpointError(f'{where}: d2t must list increasing token ids')
-  if 't2d' in tensors:
-    t2d = np.asarray(tensors['t2d']).astype(bool)
-    if t2d.shape != (vocab_size,) or not np.array_equal(np.flatnonzero(t2d), ids):
-      raise CheckpointError(f'{where}: t2d does not match d2t')
-  return ids.astype(np.int32)
+    yield ('lm_head', 'kernel'), 'lm_head.weight', transposed, transposed
 
 
 def _expert_leaves(cfg: decoder.DecoderConfig, tensors: dict[str, np.ndarray], used: set[str]):
@@ -328,19 +266,19 @@ def _expert_leaves(cfg: decoder.DecoderConfig, tensors: dict[str, np.ndarray], u
       yield path + (proj,), np.stack([tensors[name].T for name in names])
 
 
-def _set(tree: dict, path: tuple[str, ...], value):
+def set_path(tree: dict, path: tuple[str, ...], value):
   for key in path[:-1]:
     tree = tree.setdefault(key, {})
   tree[path[-1]] = value
 
 
-def _get(tree: dict, path: tuple[str, ...]):
+def get_path(tree: dict, path: tuple[str, ...]):
   for key in path:
     tree = tree[key]
   return tree
 
 
-def _checked(to_flax, value: np.ndarray, hf_name: str, want: tuple[int, ...]):
+def checked(to_flax, value: np.ndarray, hf_name: str, want: tuple[int, ...]):
   try:
     out = to_flax(value)
   except ValueError as e:
@@ -354,14 +292,16 @@ def _checked(to_flax, value: np.ndarray, hf_name: str, want: tuple[int, ...]):
   return out
 
 
-def _map_from_hf(tensors, rules, expected, used: set[str], ignorable=()) -> dict:
+def map_from_hf(tensors, rules, expected, used: set[str], ignorable=()) -> dict:
   """Applies ``rules``, then checks that every tensor was used (``ignorable`` excepted)."""
   params = {}
   for path, hf_name, to_flax, _ in rules:
     if hf_name not in tensors:
       raise CheckpointError(f'missing tensor {hf_name}')
     used.add(hf_name)
-    _set(params, path, _checked(to_flax, tensors[hf_name], hf_name, _get(expected, path).shape))
+    set_path(
+      params, path, checked(to_flax, tensors[hf_name], hf_name, get_path(expected, path).shape)
+    )
   unexpected = sorted(set(tensors) - used - set(ignorable))
   if unexpected:
     raise CheckpointError(
@@ -379,21 +319,21 @@ def params_from_hf(
   experts = list(_expert_leaves(cfg, tensors, used))
   # Some tied checkpoints still store the (identical) LM head; it carries no information.
   ignorable = ('lm_head.weight',) if cfg.tie_word_embeddings else ()
-  params = _map_from_hf(tensors, _target_rules(cfg), expected, used, ignorable)
+  params = map_from_hf(tensors, _target_rules(cfg), expected, used, ignorable)
   for path, value in experts:
-    want = _get(expected, path).shape
+    want = get_path(expected, path).shape
     if value.shape != want:
       raise CheckpointError(
         f'shape mismatch for experts of {".".join(path)}: stacked {value.shape}, expected {want}'
       )
-    _set(params, path, value)
+    set_path(params, path, value)
   return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
 
 
 def params_to_hf(params: dict, cfg: decoder.DecoderConfig) -> dict[str, np.ndarray]:
   """The inverse of :func:`params_from_hf` (experts written per expert)."""
   tensors = {
-    name: to_hf(np.asarray(_get(params, path))) for path, name, _, to_hf in _target_rules(cfg)
+    name: to_hf(np.asarray(get_path(params, path))) for path, name, _, to_hf in _target_rules(cfg)
   }
   for i in range(cfg.num_hidden_layers):
     if not cfg.is_sparse_layer(i):
@@ -433,7 +373,7 @@ def load_target(
     raise ValueError(f'attn_impl must be one of {decoder.ATTN_IMPLS}, got {attn_impl!r}')
   path = checkpoint_files.resolve(path)
   if path.suffix == '.gguf':
-    path = gguf_io.cached_checkpoint(path)
+    path = model_cache.cached_checkpoint(path)
   cfg = config_from_hf(read_config(path))
   params = params_from_hf(read_tensors(path), cfg, dtype)
   if mesh is not None:
@@ -453,153 +393,3 @@ def save_target(
 
 
 # Draft heads (the released JetSpec / DFlash layout).
-
-HEAD_ARCHITECTURE = 'DFlashDraftModel'
-
-
-def head_config_from_hf(hf: Mapping) -> draft_head.DraftHeadConfig:
-  """A :class:`DraftHeadConfig` from a released head's ``config.json``."""
-  archs = hf.get('architectures') or [HEAD_ARCHITECTURE]
-  if archs[0] != HEAD_ARCHITECTURE:
-    raise CheckpointError(
-      f'not a draft head: architectures {archs}, expected [{HEAD_ARCHITECTURE!r}]'
-    )
-  dflash = hf.get('dflash_config') or {}
-  for name in ('block_size', 'num_target_layers'):
-    if name not in hf:
-      raise CheckpointError(f'head config.json lacks {name!r}')
-  if 'mask_token_id' not in dflash:
-    raise CheckpointError('head config.json lacks dflash_config.mask_token_id')
-  rope_scaling_from_hf(hf, allow_scaling=False)  # heads use plain RoPE
-  layers = hf['num_hidden_layers']
-  taps = dflash.get('target_layer_ids') or draft_head.default_tap_layers(
-    hf['num_target_layers'], layers
-  )
-  heads = hf['num_attention_heads']
-  return draft_head.DraftHeadConfig(
-    hidden_size=hf['hidden_size'],
-    intermediate_size=hf['intermediate_size'],
-    num_hidden_layers=layers,
-    num_attention_heads=heads,
-    num_key_value_heads=hf.get('num_key_value_heads') or heads,
-    head_dim=hf.get('head_dim') or hf['hidden_size'] // heads,
-    vocab_size=hf['vocab_size'],
-    target_layer_ids=tuple(taps),
-    num_target_layers=hf['num_target_layers'],
-    block_size=hf['block_size'],
-    mask_token_id=dflash['mask_token_id'],
-    causal=bool(dflash.get('causal_head', False)),
-    rope_theta=rope_theta_from_hf(hf),
-    rms_norm_eps=hf.get('rms_norm_eps', 1e-6),
-    max_position_embeddings=hf.get('max_position_embeddings', 40960),
-    markov_rank=_markov_rank(dflash),
-    refine=dflash.get('head_kind') == 'jetspecpp',
-    copy_seed=int(dflash.get('copy_seed', 0)),
-  )
-
-
-HEAD_KINDS = ('jetspec', 'dflash', 'dspark', 'jetspecpp')
-
-
-def _markov_rank(dflash: Mapping) -> int:
-  kind = dflash.get('head_kind', 'jetspec' if dflash.get('causal_head') else 'dflash')
-  if kind not in HEAD_KINDS:
-    raise CheckpointError(f'unknown head_kind {kind!r}; this library reads {HEAD_KINDS}')
-  if kind == 'jetspecpp' and not dflash.get('causal_head'):
-    raise CheckpointError('a jetspecpp head config.json needs dflash_config.causal_head = true')
-  if kind != 'dspark':
-    return 0
-  if not dflash.get('markov_rank'):
-    raise CheckpointError('a dspark head config.json needs dflash_config.markov_rank > 0')
-  return int(dflash['markov_rank'])
-
-
-def head_config_to_hf(cfg: draft_head.DraftHeadConfig, dtype=jnp.float32) -> dict:
-  return dict(
-    _architecture_fields(cfg, dtype),
-    architectures=[HEAD_ARCHITECTURE],
-    model_type='qwen3',
-    tie_word_embeddings=False,
-    block_size=cfg.block_size,
-    num_target_layers=cfg.num_target_layers,
-    dflash_config=dict(
-      causal_head=cfg.causal,
-      target_layer_ids=list(cfg.target_layer_ids),
-      mask_token_id=cfg.mask_token_id,
-      # Only DSpark and JetSpec++ heads name their kind: JetSpec / DFlash configs stay the
-      # released ones.
-      **({'head_kind': 'dspark', 'markov_rank': cfg.markov_rank} if cfg.markov_rank else {}),
-      **({'head_kind': 'jetspecpp'} if cfg.refine else {}),
-      **({'copy_seed': cfg.copy_seed} if cfg.copy_seed else {}),
-    ),
-  )
-
-
-def load_draft_head(
-  path: str | os.PathLike, target: decoder.Target, *, dtype=None
-) -> draft_head.DraftHead:
-  """Loads a JetSpec / DFlash / DSpark / JetSpec++ head checkpoint and binds it to ``target``.
-
-  The kind comes from ``config.json`` (``dflash_config.head_kind``; without it, ``causal_head``
-  tells JetSpec from DFlash); a DSpark head also reads its Markov and confidence tensors and,
-  when present, its calibration temperatures.
-
-  Args:
-    path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
-    target: the target whose embedding and LM head the head uses.
-    dtype: parameter dtype; defaults to the target's.
-
-  Raises:
-    FileNotFoundError, CheckpointError: as :func:`load_target`; also when the head's hidden
-      size, vocabulary or tap layers do not fit the target.
-  """
-  path = checkpoint_files.resolve(path)
-  cfg = head_config_from_hf(read_config(path))
-  try:
-    draft_head.check_fits_target(cfg, target.cfg)
-  except ValueError as e:
-    raise CheckpointError(f'head at {path} does not fit the target: {e}') from e
-  dtype = target.dtype if dtype is None else dtype
-  expected = jax.eval_shape(lambda: draft_head.init_head_params(cfg, jax.random.key(0), dtype))
-  tensors = read_tensors(path)
-  calibration = None
-  if cfg.markov_rank and CALIBRATION_TENSOR in tensors:
-    calibration = jnp.asarray(
-      _checked(_ident, tensors[CALIBRATION_TENSOR], CALIBRATION_TENSOR, (cfg.block_size,)),
-      jnp.float32,
-    )
-  draft_vocab = draft_vocab_from_tensors(tensors, cfg.vocab_size, path)
-  params = _map_from_hf(
-    tensors,
-    _head_rules(cfg),
-    expected,
-    set(),
-    ignorable=[CALIBRATION_TENSOR, *DRAFT_VOCAB_TENSORS],
-  )
-  params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-  return draft_head.DraftHead(
-    cfg=cfg,
-    params=params,
-    calibration=calibration,
-    draft_vocab=None if draft_vocab is None else jnp.asarray(draft_vocab),
-  )
-
-
-def save_draft_head(head: draft_head.DraftHead, path: str | os.PathLike, dtype=None) -> None:
-  """Writes ``head`` in the released layout (``fc.weight``, ``layers.{i}.*``, ...), cast to
-  ``dtype`` if given (e.g. ``jnp.bfloat16`` for a shipped head). ``path`` may be a URL
-  (``gs://...``, through ``etils.epath``)."""
-  path = epath.Path(path)
-  path.mkdir(parents=True, exist_ok=True)
-  if dtype is not None:
-    head = head.replace(params=jax.tree.map(lambda x: x.astype(dtype), head.params))
-  params = jax.device_get(head.params)
-  tensors = {
-    name: to_hf(np.asarray(_get(params, p))) for p, name, _, to_hf in _head_rules(head.cfg)
-  }
-  if head.calibration is not None:
-    tensors[CALIBRATION_TENSOR] = np.asarray(head.calibration, np.float32)
-  if head.draft_vocab is not None:
-    tensors.update(draft_vocab_tensors(jax.device_get(head.draft_vocab), head.cfg.vocab_size))
-  write_tensors(tensors, path)
-  (path / 'config.json').write_text(json.dumps(head_config_to_hf(head.cfg, head.dtype), indent=2))

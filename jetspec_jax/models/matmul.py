@@ -25,7 +25,7 @@ import jax.numpy as jnp
 # row by row, while from 3 rows every row's result is bit-identical whatever the row count. So a
 # decode step's projections equal a verify's for the same token. (The attention still sums in
 # another order, cache slots against tree slots, so greedy speculative decoding of a bfloat16
-# target is close to its AR, not equal: benchmarks/smollm2_135m_bf16.) A padded row reads no
+# target is close to its AR, not equal: benchmarks/history/smollm2_135m_bf16.) A padded row reads no
 # more weights.
 MIN_ROWS = 4
 
@@ -35,7 +35,7 @@ MIN_ROWS = 4
 # order (a decode step against a verify) into a whole bfloat16 step of some inputs, which flips
 # greedy near-ties (the SmolLM2 benchmark: 1 prompt of 9); the split keeps 16 significant bits,
 # and there greedy speculative decoding equalled AR on all 9. Twice the rows cost little in a
-# dot that reads its weights once (benchmarks/smollm2_135m_bf16).
+# dot that reads its weights once (benchmarks/history/smollm2_135m_bf16).
 SPLIT = 'bfloat16x2'
 
 

@@ -6,7 +6,7 @@ Two stages, both written as resumable shards (a killed run continues where it st
    of its chat template (sampled; Magpie-style). Finished, cleaned, de-duplicated ones are kept.
 2. ``data/greedy/`` and ``data/sampled/``: the target answers every training prompt (its own
    instructions, standard-library coding tasks, templated math word problems; see
-   :mod:`jetspec_jax.chat_prompts`), greedily for most prompts and sampled for every
+   :mod:`jetspec_jax.training.chat_prompts`), greedily for most prompts and sampled for every
    ``sampled_every``-th one. Shards of the two kinds are produced alternately, so a partial
    dataset already mixes every source and both temperatures.
 
@@ -22,10 +22,12 @@ import pathlib
 import numpy as np
 from absl import logging
 
-from jetspec_jax import chat_prompts, corpus
+from jetspec_jax import corpus
 from jetspec_jax import tokenizer as tokenizer_lib
-from jetspec_jax.models import decoder, gguf_io
+from jetspec_jax.models import decoder, model_cache
+from jetspec_jax.training import chat_prompts
 from jetspec_jax.training import data as data_lib
+from jetspec_jax.training import shards as shards_lib
 
 
 def tokenizer_for(target_config):
@@ -33,7 +35,7 @@ def tokenizer_for(target_config):
   SmolLM2's (``preset='smollm2_135m_instruct'``)."""
   if target_config.get('path'):
     return tokenizer_lib.load_tokenizer(target_config.path)
-  return tokenizer_lib.load_tokenizer(gguf_io.resolve_model_path(target_config.preset))
+  return tokenizer_lib.load_tokenizer(model_cache.resolve_model_path(target_config.preset))
 
 
 def eval_chat_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
@@ -92,7 +94,7 @@ def round_dirs(workdir, data_dir, prompt_round: int) -> tuple[pathlib.Path, path
   ``data/round{r}/{greedy,sampled}`` (training reads the rounds below ``data.prompt_rounds``)."""
   workdir, data_dir = pathlib.Path(workdir), pathlib.Path(data_dir)
   suffix = f'_round{prompt_round}' if prompt_round else ''
-  return workdir / f'instructions{suffix}', data_lib.prompt_round_dir(data_dir, prompt_round)
+  return workdir / f'instructions{suffix}', shards_lib.prompt_round_dir(data_dir, prompt_round)
 
 
 def round_mix(data_config, prompt_round: int) -> str:
@@ -116,8 +118,8 @@ def training_texts(
   self-written instructions): ``num_task_requests`` short task requests, ``num_coding``
   completion tasks (the k-th ``'tasks'`` round the k-th slice of their own shuffle) and
   ``num_math`` math problems of the training and the extra templates
-  (:mod:`jetspec_jax.chat_prompts`). ``seed`` is the plan's (``config.seed``); round r draws
-  with ``seed + r * ROUND_SEED_STRIDE``. Texts in ``exclude`` (lower-cased: earlier rounds'
+  (:mod:`jetspec_jax.training.chat_prompts`). ``seed`` is the plan's (``config.seed``); round
+  r draws with ``seed + r * ROUND_SEED_STRIDE``. Texts in ``exclude`` (lower-cased: earlier rounds'
   texts) are dropped; round 0 excludes none, so its prompts do not depend on how many rounds
   follow."""
   files = corpus.stdlib_files(tuple(data_config.validation_modules))[0]

@@ -2,7 +2,7 @@
 
 :func:`copy_metrics` scores, teacher-forced on stored sequences, the drafts of
 :func:`jetspec_jax.prompt_lookup.continuation` exactly as the training metrics score a head's
-block (:func:`jetspec_jax.training.head_trainer.sums_metrics`): at every valid anchor ``a`` the
+block (:func:`jetspec_jax.training.head_sums.sums_metrics`): at every valid anchor ``a`` the
 draft's ``k``-th token is compared with the label of position ``a + k`` (the data's token, or the
 target's argmax there), slots past the response or past the first invalid one do not count, a
 slot the copy cannot fill (the match has fewer tokens after it) counts as wrong, and the expected

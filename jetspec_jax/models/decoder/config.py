@@ -164,7 +164,7 @@ def smollm2_135m() -> DecoderConfig:
 
 
 def tiny(**overrides) -> DecoderConfig:
-  """A small dense config with odd, prime-ish sizes so shape bugs show (STYLE.md item 3)."""
+  """A small dense config with odd, prime-ish sizes so shape bugs show."""
   base = dict(
     vocab_size=257,
     hidden_size=44,

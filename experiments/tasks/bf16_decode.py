@@ -1,6 +1,6 @@
 """Decoding with bfloat16-weight targets against the float32 one, on the benchmark's prompts.
 
-  python -m experiments.benchmark_bf16_decode --out=benchmarks/smollm2_135m_bf16
+  python -m experiments.benchmark --task=bf16 --out=benchmarks/smollm2_135m_bf16
 
 The target's weight matrices in bfloat16 with float32 accumulation, each projection's input
 rounded to bfloat16 (``Target.with_weight_dtype('bfloat16')``, ``bfloat16``) or split into two
@@ -23,43 +23,13 @@ import pathlib
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import jetspec_jax as js
-from experiments import bench
-from jetspec_jax import chat_prompts
+from experiments.tasks import bench
+from jetspec_jax.training import chat_prompts
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('out', None, 'Write benchmark.json and benchmark.md here.')
-flags.DEFINE_string('target', 'smollm2_135m_instruct', 'A packaged model name or a path.')
-flags.DEFINE_string('head', 'assets/jetspec_head_smollm2_135m', 'The JetSpec head.')
-flags.DEFINE_integer('num_per_group', 3, 'Prompts per group (code, chat, math).')
-flags.DEFINE_integer('max_new_tokens', 48, 'New tokens per prompt.')
-flags.DEFINE_list('budgets', ['8', '16'], 'best_first tree budgets.')
-flags.DEFINE_list(
-  'copy_prior',
-  [],
-  'Also each tree with copy candidates merged at these probabilities per match length '
-  '(Tree.copy_prior; experiments/calibrate_copy.py).',
-)
-flags.DEFINE_list(
-  'depth_bonus',
-  [],
-  'Also each tree (without copy candidates) with these Tree.depth_bonus values (deeper trees).',
-)
-flags.DEFINE_integer(
-  'repeats', 1, 'Decode the prompt list this many times (interleaved as one longer list).'
-)
-flags.DEFINE_list(
-  'targets',
-  ['float32', 'bfloat16', 'bfloat16x2', 'bfloat16x2+bf16_prefill'],
-  'Target precisions to run.',
-)
-flags.DEFINE_list(
-  'head_compute_dtypes',
-  ['bfloat16'],
-  "The head's projections: float32 and/or bfloat16 inputs (drafting only: lossless either way).",
-)
 
 
 def settings(budgets) -> list[bench.Setting]:
@@ -76,7 +46,7 @@ def settings(budgets) -> list[bench.Setting]:
 
 
 def run(out_dir: str | None) -> dict:
-  path = js.gguf_io.resolve_model_path(FLAGS.target)
+  path = js.model_cache.resolve_model_path(FLAGS.target)
   tok = js.load_tokenizer(path)
   float32 = js.load_target(path)
   variants = {
@@ -183,5 +153,35 @@ def main(argv):
   run(FLAGS.out and str(pathlib.Path(FLAGS.out)))
 
 
-if __name__ == '__main__':
-  app.run(main)
+def define_flags() -> None:
+  """This task's command-line flags (the verb binary defines them before parsing)."""
+  flags.DEFINE_string('out', None, 'Write benchmark.json and benchmark.md here.')
+  flags.DEFINE_string('target', 'smollm2_135m_instruct', 'A packaged model name or a path.')
+  flags.DEFINE_string('head', 'assets/jetspec_head_smollm2_135m', 'The JetSpec head.')
+  flags.DEFINE_integer('num_per_group', 3, 'Prompts per group (code, chat, math).')
+  flags.DEFINE_integer('max_new_tokens', 48, 'New tokens per prompt.')
+  flags.DEFINE_list('budgets', ['8', '16'], 'best_first tree budgets.')
+  flags.DEFINE_list(
+    'copy_prior',
+    [],
+    'Also each tree with copy candidates merged at these probabilities per match length '
+    '(Tree.copy_prior; experiments/tasks/copy_priors.py).',
+  )
+  flags.DEFINE_list(
+    'depth_bonus',
+    [],
+    'Also each tree (without copy candidates) with these Tree.depth_bonus values (deeper trees).',
+  )
+  flags.DEFINE_integer(
+    'repeats', 1, 'Decode the prompt list this many times (interleaved as one longer list).'
+  )
+  flags.DEFINE_list(
+    'targets',
+    ['float32', 'bfloat16', 'bfloat16x2', 'bfloat16x2+bf16_prefill'],
+    'Target precisions to run.',
+  )
+  flags.DEFINE_list(
+    'head_compute_dtypes',
+    ['bfloat16'],
+    "The head's projections: float32 and/or bfloat16 inputs (drafting only: lossless either way).",
+  )

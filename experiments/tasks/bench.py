@@ -246,9 +246,11 @@ def check_lossless(name: str, outputs: Sequence, ar_outputs: Sequence) -> None:
       raise AssertionError(f'{name} differs from ar on prompt {i}: not lossless')
 
 
-def envelope(config) -> dict:
-  """Where and with what a result was measured (the head of every result file)."""
+def envelope(config, weights: dict | None = None) -> dict:
+  """Where and with what a result was measured (the head of every result file): ``weights`` maps
+  each model or head read to its files' sha256 (``{}``: random weights)."""
   return dict(
+    provenance=dict(provenance.record(), weights_sha256=weights or {}),
     config=config.to_dict() if hasattr(config, 'to_dict') else dict(config),
     device=jax.devices()[0].device_kind,
     backend=jax.default_backend(),

@@ -1,6 +1,6 @@
 """Draft-head training throughput: block slots per second of the jitted train step.
 
-  python -m experiments.benchmark_training --config=experiments/configs/draft_smollm2.py \
+  python -m experiments.microbench --task=training --config=experiments/configs/draft_smollm2.py \
       --variants=full,vocab99 --out=benchmarks/training_throughput_smollm2.json
 
 Batches are real sequences of the configured data (tokens, masks, lengths) with stored-feature
@@ -19,14 +19,14 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from experiments import bench
+from experiments.tasks import bench
 from jetspec_jax import sharding
 from jetspec_jax.models import draft_head as dh
-from jetspec_jax.training import data as data_lib
-from jetspec_jax.training import head_trainer
+from jetspec_jax.training import head_step, head_sums, run_config
+from jetspec_jax.training import shards as shards_lib
 from jetspec_jax.training.loop import init_state, make_optimizer
 
 
@@ -50,7 +50,7 @@ def time_variant(config, target, head_cfg, source, name: str, steps: int, warmup
   draft_vocab = None
   if coverage:
     draft_vocab = dh.draft_vocabulary(source.response_token_counts(target.cfg.vocab_size), coverage)
-  settings = head_trainer.StepSettings(
+  settings = head_sums.StepSettings(
     num_anchors=config.train.num_anchors,
     loss=config.train.loss,
     gamma=config.train.gamma,
@@ -61,11 +61,11 @@ def time_variant(config, target, head_cfg, source, name: str, steps: int, warmup
     micro_batches=config.train.micro_batches,
   )
   optimizer = make_optimizer(lr=1e-4, steps=100, warmup_steps=1)
-  step = head_trainer.make_train_step(
+  step = head_step.make_train_step(
     target, head_cfg, optimizer, settings, sharding.make_mesh(), draft_vocab
   )
   state = init_state(dh.init_head_params(head_cfg, jax.random.key(0)), optimizer)
-  batches = data_lib.make_batches(source, config.train.global_batch, config.seed)
+  batches = shards_lib.make_batches(source, config.train.global_batch, config.seed)
   width = (head_cfg.num_taps + 1) * head_cfg.hidden_size
   rng = np.random.default_rng(0)
   times, slots = [], []
@@ -93,7 +93,7 @@ def time_variant(config, target, head_cfg, source, name: str, steps: int, warmup
 def main(argv):
   del argv
   config = flags.FLAGS.config
-  target = head_trainer.load_target_from_config(config.target)
+  target = run_config.load_target_from_config(config.target)
   head_cfg = dh.config_for_target(
     target.cfg,
     num_layers=config.head.num_layers,
@@ -104,7 +104,7 @@ def main(argv):
     markov_rank=config.head.markov_rank,
     refine=config.head.refine,
   )
-  source = data_lib.TokenShards(config.data.dir, max_len=config.data.max_len)
+  source = shards_lib.TokenShards(config.data.dir, max_len=config.data.max_len)
   results = []
   for name in flags.FLAGS.variants:
     result = time_variant(
@@ -126,10 +126,10 @@ def main(argv):
     pathlib.Path(flags.FLAGS.out).write_text(json.dumps(record, indent=2) + '\n')
 
 
-if __name__ == '__main__':
+def define_flags() -> None:
+  """This task's command-line flags (the verb binary defines them before parsing)."""
   flags.DEFINE_list('variants', ['full', 'vocab99'], 'What to time (module doc).')
   flags.DEFINE_integer('steps', 5, 'Timed steps per variant.')
   flags.DEFINE_integer('warmup', 1, 'Untimed steps after the compile.')
   flags.DEFINE_string('out', None, 'Write the results here as JSON.')
   config_flags.DEFINE_config_file('config', 'experiments/configs/draft_smollm2.py', 'Head config.')
-  app.run(main)

@@ -1,6 +1,6 @@
 """Benchmarks the tree-attention kernel against the XLA dense-mask path.
 
-  python -m experiments.benchmark_tree_attention --config=experiments/configs/tree_attention.py
+  python -m experiments.microbench --task=kernel --config=experiments/configs/tree_attention.py
 
 The kernel is the platform's (:mod:`pallas_kernels.dispatch`): Triton on a CUDA GPU, Mosaic on a
 TPU, the interpreted Triton kernel on CPU. Writes ``tree_attention_<device>.json`` and a markdown
@@ -11,12 +11,12 @@ own; elsewhere ``config.peak_bandwidth_gbs``).
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 import jetspec_jax as js
-from experiments import bench
-from experiments.bench import median_time
+from experiments.tasks import bench
+from experiments.tasks.bench import median_time
 from jetspec_jax.decoding import bucket
 from pallas_kernels import dispatch
 
@@ -106,8 +106,8 @@ def main(argv):
   run(flags.FLAGS.config, flags.FLAGS.workdir)
 
 
-if __name__ == '__main__':
+def define_flags() -> None:
+  """This task's command-line flags (the verb binary defines them before parsing)."""
   # Flags are defined only when run as a binary, so tests can import several binaries.
   config_flags.DEFINE_config_file('config', 'experiments/configs/tree_attention.py')
   flags.DEFINE_string('workdir', 'benchmarks', 'Where the JSON and table go.')
-  app.run(main)

@@ -2,7 +2,7 @@
 shapes head training and decoding use, and the SmolLM2-135M target's decode, verify and prefill
 in four precisions.
 
-  python -m experiments.benchmark_precision --out=benchmarks/precision_cpu.json
+  python -m experiments.microbench --task=precision --out=benchmarks/precision_cpu.json
 
 Target variants: ``float32``; ``bf16_compute`` (float32 weights, each projection casts its
 inputs to bfloat16 and accumulates in float32: ``Target.with_compute_dtype('bfloat16')``);
@@ -26,10 +26,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from experiments import bench
-from jetspec_jax.models import gguf_io, hf_io, matmul
+from experiments.tasks import bench
+from jetspec_jax.models import hf_io, matmul, model_cache
 
 MATMULS = (
   (1, 576, 1536),
@@ -107,7 +107,9 @@ def target_variants(target) -> dict:
 
 
 def target_times() -> list[dict]:
-  variants = target_variants(hf_io.load_target(gguf_io.resolve_model_path('smollm2_135m_instruct')))
+  variants = target_variants(
+    hf_io.load_target(model_cache.resolve_model_path('smollm2_135m_instruct'))
+  )
 
   @functools.partial(jax.jit, static_argnames='last_only')
   def step(tgt, tokens, cache, last_only):
@@ -145,7 +147,7 @@ def main(argv):
     pathlib.Path(flags.FLAGS.out).write_text(json.dumps(record, indent=2) + '\n')
 
 
-if __name__ == '__main__':
+def define_flags() -> None:
+  """This task's command-line flags (the verb binary defines them before parsing)."""
   flags.DEFINE_string('out', None, 'Write the results here as JSON.')
   flags.DEFINE_integer('repeats', 9, 'Timed calls per measurement (rounds, for the target).')
-  app.run(main)

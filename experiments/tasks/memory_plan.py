@@ -3,7 +3,7 @@ without weights or accelerators: the jitted functions are lowered on abstract, s
 and compiled, and XLA's ``memory_analysis()`` gives arguments + temporaries per device.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
-    python -m experiments.memory_plan --config=experiments/configs/draft_qwen3_8b.py \\
+    python -m experiments.microbench --task=memory --config=experiments/configs/draft_qwen3_8b.py \\
       --target_preset=qwen3_8b --meshes=1x8,2x4,8x1+fsdp --out=benchmarks/memory_qwen3_8b
 
 The compile is XLA:CPU's (forced host devices stand in for the chips): it upcasts some bfloat16
@@ -17,7 +17,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import flags, logging
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from ml_collections import config_flags
@@ -26,16 +26,16 @@ from jetspec_jax import decoding, rounds, sharding
 from jetspec_jax.models import decoder
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.rounds import Sampling
-from jetspec_jax.training import head_trainer
+from jetspec_jax.training import head_step, run_config
+from jetspec_jax.training import loop as loop_lib
 
 GIB = 2**30
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'experiments/configs/draft_qwen3_8b.py')
-_PRESET = flags.DEFINE_string('target_preset', 'qwen3_8b', 'decoder.PRESETS name of the target')
-_MESHES = flags.DEFINE_list(
-  'meshes', ['1x8', '2x4', '8x1+fsdp'], 'data x model meshes to analyse (+fsdp: mesh.fsdp)'
-)
-_OUT = flags.DEFINE_string('out', '', 'write <out>.json and <out>.md')
+
+_CONFIG = None  # set by define_flags
+_PRESET = None  # set by define_flags
+_MESHES = None  # set by define_flags
+_OUT = None  # set by define_flags
 
 
 def abstract_target(cfg: decoder.DecoderConfig, dtype, mesh, *, fsdp: bool = False):
@@ -63,16 +63,16 @@ def train_step_memory(config, target_cfg: decoder.DecoderConfig, mesh) -> dict:
   batches, anchor chunks; the target runs inside the step, as for a model whose features are
   not stored)."""
   fsdp = bool(config.mesh.get('fsdp', False))
-  dtype = head_trainer.target_dtype(config.target.get('dtype', 'auto'))
+  dtype = run_config.target_dtype(config.target.get('dtype', 'auto'))
   if config.target.get('dtype', 'auto') == 'auto':
     dtype = jnp.bfloat16  # what 'auto' is on the accelerators this plans for
   target = abstract_target(target_cfg, dtype, mesh, fsdp=fsdp)
-  head_cfg = head_trainer.head_config(config.head, target_cfg)
-  settings = head_trainer.step_settings(config.train)
-  optimizer = head_trainer.make_optimizer(lr=1e-4, steps=100, warmup_steps=1)
-  step = head_trainer.make_train_step(target, head_cfg, optimizer, settings, mesh, fsdp=fsdp)
+  head_cfg = run_config.head_config(config.head, target_cfg)
+  settings = run_config.step_settings(config.train)
+  optimizer = loop_lib.make_optimizer(lr=1e-4, steps=100, warmup_steps=1)
+  step = head_step.make_train_step(target, head_cfg, optimizer, settings, mesh, fsdp=fsdp)
   state = jax.eval_shape(
-    lambda: head_trainer.init_state(
+    lambda: loop_lib.init_state(
       dh.init_head_params(head_cfg, jax.random.key(0), jnp.float32), optimizer
     )
   )
@@ -167,11 +167,18 @@ def main(argv):
     meta = dict(
       devices=f'{jax.device_count()} x {jax.devices()[0].platform}',
       target=_PRESET.value,
-      head=dataclasses.asdict(head_trainer.head_config(config.head, target_cfg)),
+      head=dataclasses.asdict(run_config.head_config(config.head, target_cfg)),
     )
     out.with_suffix('.json').write_text(json.dumps(dict(**meta, rows=rows), indent=2, default=str))
     out.with_suffix('.md').write_text(markdown(rows))
 
 
-if __name__ == '__main__':
-  app.run(main)
+def define_flags() -> None:
+  """This task's command-line flags (the verb binary defines them before parsing)."""
+  global _CONFIG, _PRESET, _MESHES, _OUT
+  _CONFIG = config_flags.DEFINE_config_file('config', 'experiments/configs/draft_qwen3_8b.py')
+  _PRESET = flags.DEFINE_string('target_preset', 'qwen3_8b', 'decoder.PRESETS name of the target')
+  _MESHES = flags.DEFINE_list(
+    'meshes', ['1x8', '2x4', '8x1+fsdp'], 'data x model meshes to analyse (+fsdp: mesh.fsdp)'
+  )
+  _OUT = flags.DEFINE_string('out', '', 'write <out>.json and <out>.md')

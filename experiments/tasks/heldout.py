@@ -1,6 +1,6 @@
 """Held-out, teacher-forced metrics of exported heads and of the copy drafter, side by side.
 
-  python -m experiments.eval_heads --config=experiments/configs/draft_smollm2.py \
+  python -m experiments.evaluate --task=heldout --config=experiments/configs/draft_smollm2.py \
       --heads=recipe=runs/jetspec_r3_full/export,seeded=runs/jetspec_copy3_r3data/export \
       --first_tokens=0,48 --out=benchmarks/heldout_smollm2.json
 
@@ -27,14 +27,14 @@ import re
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from jetspec_jax import decoding, methods, sharding
-from jetspec_jax.methods import base as methods_base
 from jetspec_jax.evaluation import provenance
-from jetspec_jax.models import hf_io
-from jetspec_jax.training import copy_baseline, head_trainer, walk
+from jetspec_jax.methods import base as methods_base
+from jetspec_jax.models import head_io
+from jetspec_jax.training import copy_baseline, head_step, run_config, walk
 
 FLAGS = flags.FLAGS
 
@@ -79,15 +79,15 @@ def evaluate_heads(
   config, target, heads: dict, full: dict, first_tokens, seed: int = 0
 ) -> list[dict]:
   """One row per (scope, drafter): the heads in ``heads`` (name -> DraftHead) and ``copy``, on
-  the held-out batch ``full`` (:func:`head_trainer.load_heldout_batch`)."""
-  settings = head_trainer.step_settings(config.train)
+  the held-out batch ``full`` (:func:`run_config.load_heldout_batch`)."""
+  settings = run_config.step_settings(config.train)
   settings = dataclasses.replace(settings, num_anchors=config.eval.get('heldout_anchors', 64))
   rows = []
   for n in first_tokens:
-    batch = head_trainer.first_response_tokens(full, n) if n else full
+    batch = run_config.first_response_tokens(full, n) if n else full
     scope = f'first {n} response tokens' if n else 'whole responses'
     for name, head in heads.items():
-      evaluate = head_trainer.make_heldout_eval(
+      evaluate = head_step.make_heldout_eval(
         target, head.cfg, batch, settings, head.draft_vocab, seed=seed
       )
       metrics = evaluate(head.params)
@@ -190,12 +190,12 @@ def markdown(rows: list[dict]) -> str:
 def main(argv):
   del argv
   config = FLAGS.config
-  target = head_trainer.load_target_from_config(config.target)
+  target = run_config.load_target_from_config(config.target)
   heads = {
-    name: hf_io.load_draft_head(path, target) for name, path in parse_heads(FLAGS.heads).items()
+    name: head_io.load_draft_head(path, target) for name, path in parse_heads(FLAGS.heads).items()
   }
   first_tokens = [int(n) for n in FLAGS.first_tokens]
-  batch = head_trainer.load_heldout_batch(config, subdir=FLAGS.heldout_subdir)
+  batch = run_config.load_heldout_batch(config, subdir=FLAGS.heldout_subdir)
   rows = evaluate_heads(config, target, heads, batch, first_tokens, seed=config.seed)
   table = markdown(rows)
   decoded = []
@@ -237,7 +237,8 @@ def main(argv):
     out.with_suffix('.md').write_text(table)
 
 
-if __name__ == '__main__':
+def define_flags() -> None:
+  """This task's command-line flags (the verb binary defines them before parsing)."""
   config_flags.DEFINE_config_file(
     'config', 'experiments/configs/draft_smollm2.py', 'The training config (target, data, eval).'
   )
@@ -254,4 +255,3 @@ if __name__ == '__main__':
     '(e.g. tree:budget=16,copy_len=4).',
   )
   flags.DEFINE_string('out', '', 'A JSON file for the rows (and a .md beside it).')
-  app.run(main)

@@ -1,6 +1,6 @@
 """Calibrates a DSpark head's confidences by sequential temperature scaling on held-out data.
 
-  python -m experiments.calibrate_dspark --head=$HOME/jetspec_runs/dspark/export \
+  python -m experiments.data --task=dspark_calibration --head=$HOME/jetspec_runs/dspark/export \
       --data_dir=$HOME/jetspec_runs/smollm2_data/data/greedy --fit_shards=6,1 --eval_shards=7,1 \
       --out=assets/dspark_head_smollm2_135m --dtype=bfloat16
 
@@ -19,30 +19,18 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 import jetspec_jax as js
-from jetspec_jax.training import data as data_lib
 from jetspec_jax.training import dspark_calibration
+from jetspec_jax.training import shards as shards_lib
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('head', None, 'The DSpark head to calibrate (released layout).')
-flags.DEFINE_string('target', 'smollm2_135m_instruct', 'Packaged model name or checkpoint path.')
-flags.DEFINE_string('data_dir', None, 'Greedy self-distilled shards with stored features.')
-flags.DEFINE_string('features_dir', None, 'Where their features are, if not beside the shards.')
-flags.DEFINE_string('subdir', None, "Only the shards under data_dir/subdir (e.g. 'greedy').")
-flags.DEFINE_string('fit_shards', '6,1', 'SKIP,COUNT of the shards the temperatures are fit on.')
-flags.DEFINE_string('eval_shards', '7,1', 'SKIP,COUNT of the shards the ECE is reported on.')
-flags.DEFINE_integer('num_anchors', 16, 'Blocks per sequence.')
-flags.DEFINE_integer('max_len', 480, 'Sequence length of the data.')
-flags.DEFINE_string('out', None, 'Where the calibrated head goes.')
-flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'Parameter dtype written.')
-flags.DEFINE_bool('keep_worse', False, 'Store the temperatures even if held-out ECE got worse.')
 
 
 def shards(spec: str):
   skip, count = (int(x) for x in spec.split(','))
-  return data_lib.TokenShards(
+  return shards_lib.TokenShards(
     FLAGS.data_dir,
     FLAGS.max_len,
     shards_per_dir=count,
@@ -79,8 +67,8 @@ def calibrate(head, target, fit_source, eval_source, num_anchors: int) -> tuple[
 def main(argv):
   del argv
   path = FLAGS.target
-  if path in js.gguf_io.PACKAGED_MODELS:
-    path = js.gguf_io.resolve_model_path(path)
+  if path in js.model_cache.PACKAGED_MODELS:
+    path = js.model_cache.resolve_model_path(path)
   target = js.load_target(path)
   head = js.load_draft_head(FLAGS.head, target, dtype=jnp.float32)
   temps, report = calibrate(
@@ -104,6 +92,18 @@ def main(argv):
   print(json.dumps(report, indent=2))
 
 
-if __name__ == '__main__':
+def define_flags() -> None:
+  """This task's command-line flags (the verb binary defines them before parsing)."""
+  flags.DEFINE_string('head', None, 'The DSpark head to calibrate (released layout).')
+  flags.DEFINE_string('target', 'smollm2_135m_instruct', 'Packaged model name or checkpoint path.')
+  flags.DEFINE_string('data_dir', None, 'Greedy self-distilled shards with stored features.')
+  flags.DEFINE_string('features_dir', None, 'Where their features are, if not beside the shards.')
+  flags.DEFINE_string('subdir', None, "Only the shards under data_dir/subdir (e.g. 'greedy').")
+  flags.DEFINE_string('fit_shards', '6,1', 'SKIP,COUNT of the shards the temperatures are fit on.')
+  flags.DEFINE_string('eval_shards', '7,1', 'SKIP,COUNT of the shards the ECE is reported on.')
+  flags.DEFINE_integer('num_anchors', 16, 'Blocks per sequence.')
+  flags.DEFINE_integer('max_len', 480, 'Sequence length of the data.')
+  flags.DEFINE_string('out', None, 'Where the calibrated head goes.')
+  flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'Parameter dtype written.')
+  flags.DEFINE_bool('keep_worse', False, 'Store the temperatures even if held-out ECE got worse.')
   flags.mark_flags_as_required(['head', 'data_dir', 'out'])
-  app.run(main)

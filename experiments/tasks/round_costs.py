@@ -1,6 +1,6 @@
 """Accelerator benchmark: each part of a JetSpec round, and a whole round, vs the weight-read limit.
 
-  python -m experiments.benchmark_accel --config=experiments/configs/accel.py:qwen3_8b \
+  python -m experiments.microbench --config=experiments/configs/accel.py:qwen3_8b \
       --workdir=benchmarks
 
 At batch 1 a target step cannot beat reading every weight once: ``limit = parameter bytes /
@@ -20,12 +20,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 import jetspec_jax as js
-from experiments import bench
-from experiments.bench import median_time, median_time_carried
+from experiments.tasks import bench
+from experiments.tasks.bench import median_time, median_time_carried
 from jetspec_jax import decoding, methods, rounds, sharding, verify
 from jetspec_jax.methods import tree as tree_method
 from jetspec_jax.models import decoder
@@ -272,8 +272,8 @@ def main(argv):
   run(flags.FLAGS.config, flags.FLAGS.workdir)
 
 
-if __name__ == '__main__':
+def define_flags() -> None:
+  """This task's command-line flags (the verb binary defines them before parsing)."""
   config_flags.DEFINE_config_file('config', 'experiments/configs/accel.py', 'Benchmark config.')
   flags.DEFINE_string('workdir', 'benchmarks', 'Where the JSON and table go.')
   flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')
-  app.run(main)

@@ -1,6 +1,6 @@
 """Trains a JetSpec draft head by self-distillation.
 
-  python -m experiments.train_draft --config=experiments/configs/draft_tiny.py --workdir=DIR
+  python -m experiments.train --config=experiments/configs/draft_tiny.py --workdir=DIR
 
 Generates the self-distilled data when the data directory is empty, trains with checkpoints
 (re-running the same command resumes), exports the head to DIR/export in the released layout and
@@ -8,7 +8,7 @@ writes DIR/result.json.
 """
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from jetspec_jax import sharding, training
@@ -22,9 +22,9 @@ def main(argv):
   print({k: v for k, v in result.items() if k != 'history'})
 
 
-if __name__ == '__main__':
+def define_flags() -> None:
+  """This task's command-line flags (the verb binary defines them before parsing)."""
   config_flags.DEFINE_config_file('config', 'experiments/configs/draft_tiny.py', 'Training config.')
   flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and the exported head.')
   flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')
   flags.mark_flags_as_required(['workdir'])
-  app.run(main)

@@ -1,6 +1,6 @@
 """How often copy candidates are right, by match length: the priors of ``Tree(copy_prior=...)``.
 
-  python -m experiments.calibrate_copy --out=benchmarks/copy_calibration_smollm2_135m.json
+  python -m experiments.data --task=copy_priors --out=benchmarks/copy_calibration_smollm2_135m.json
 
 On held-out greedy sequences of the target (token shards only, no features), every response
 position is an anchor: the continuation of the longest earlier match (up to ``--max_ngram``
@@ -15,23 +15,11 @@ grown), so it under-weights them, never the first.
 import json
 import pathlib
 
-from absl import app, flags
+from absl import flags
 
 from jetspec_jax.training import copy_calibration
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list(
-  'shards',
-  [
-    'data/smollm2_135m/data/greedy/shard_00000.npz',
-    'data/smollm2_135m/data/round1/greedy/shard_00000.npz',
-    'data/smollm2_135m/data/round2/greedy/shard_00000.npz',
-  ],
-  'Held-out greedy token shards (each directory first shard is never trained on).',
-)
-flags.DEFINE_integer('max_ngram', 4, 'Longest suffix match tried.')
-flags.DEFINE_integer('depth', 7, 'Copied tokens per anchor (the head depth).')
-flags.DEFINE_string('out', None, 'Write the table here (JSON).')
 
 
 def main(argv):
@@ -50,5 +38,17 @@ def main(argv):
     pathlib.Path(FLAGS.out).write_text(json.dumps(result, indent=2))
 
 
-if __name__ == '__main__':
-  app.run(main)
+def define_flags() -> None:
+  """This task's command-line flags (the verb binary defines them before parsing)."""
+  flags.DEFINE_list(
+    'shards',
+    [
+      'data/smollm2_135m/data/greedy/shard_00000.npz',
+      'data/smollm2_135m/data/round1/greedy/shard_00000.npz',
+      'data/smollm2_135m/data/round2/greedy/shard_00000.npz',
+    ],
+    'Held-out greedy token shards (each directory first shard is never trained on).',
+  )
+  flags.DEFINE_integer('max_ngram', 4, 'Longest suffix match tried.')
+  flags.DEFINE_integer('depth', 7, 'Copied tokens per anchor (the head depth).')
+  flags.DEFINE_string('out', None, 'Write the table here (JSON).')

@@ -1,6 +1,6 @@
 """Generates self-distilled training data: the target regenerates each prompt's response.
 
-  python -m experiments.generate_data --config=experiments/configs/draft_tiny.py --workdir=DIR
+  python -m experiments.data --config=experiments/configs/draft_tiny.py --workdir=DIR
 
 Writes token shards to ``config.data.dir`` (or DIR/data); re-running skips finished shards.
 """
@@ -11,22 +11,21 @@ import pathlib
 import random
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from jetspec_jax import sharding
-from jetspec_jax.training import chat_data, public_chat
+from jetspec_jax.training import chat_data, public_chat, run_config
 from jetspec_jax.training import data as data_lib
-from jetspec_jax.training import head_trainer as train_lib
 
 
 def run(config, workdir: str) -> list[pathlib.Path]:
-  train_lib.check_config(config)  # the training that follows would fail: before any generation
+  run_config.check_config(config)  # the training that follows would fail: before any generation
   # Each process generates its own shards on its own devices (tensor parallel over them).
-  mesh = train_lib.local_mesh_from_config(config)
-  target = train_lib.load_target_from_config(config.target, mesh)
-  train_lib.head_config(config.head, target.cfg)  # the head must fit the target: before the data
-  train_lib.save_resolved_config(config, workdir, 'generate_config.json')
+  mesh = run_config.local_mesh_from_config(config)
+  target = run_config.load_target_from_config(config.target, mesh)
+  run_config.head_config(config.head, target.cfg)  # the head must fit the target: before the data
+  run_config.save_resolved_config(config, workdir, 'generate_config.json')
   if config.data.prompts == 'public_chat':  # ShareGPT + Alpaca conversations, every turn
     return generate_public_chat(config, target, pathlib.Path(config.data.dir or workdir))
   if config.data.prompts == 'chat_mix':  # an instruct target: prompts made offline, 2 stages
@@ -80,9 +79,9 @@ def main(argv):
   print(f'{len(paths)} shards in {paths[0].parent}')
 
 
-if __name__ == '__main__':
+def define_flags() -> None:
+  """This task's command-line flags (the verb binary defines them before parsing)."""
   config_flags.DEFINE_config_file('config', 'experiments/configs/draft_tiny.py', 'Data config.')
   flags.DEFINE_string('workdir', None, 'Where data/ goes unless config.data.dir is set.')
   flags.mark_flags_as_required(['workdir'])
   flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')
-  app.run(main)

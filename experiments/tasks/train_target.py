@@ -1,11 +1,11 @@
 """Trains the embedded default's target (and its tokenizer) from scratch; resumable.
 
-  python -m experiments.train_target --config=experiments/configs/target_code_small.py \
+  python -m experiments.train --task=target --config=experiments/configs/target_code_small.py \
       --workdir=runs/target_code_small
 """
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from jetspec_jax import sharding
@@ -19,11 +19,11 @@ def main(argv):
   print(target_trainer.train_target(flags.FLAGS.config, flags.FLAGS.workdir))
 
 
-if __name__ == '__main__':
+def define_flags() -> None:
+  """This task's command-line flags (the verb binary defines them before parsing)."""
   config_flags.DEFINE_config_file(
     'config', 'experiments/configs/target_code_small.py', 'Target config.'
   )
   flags.DEFINE_string('workdir', None, 'Checkpoints, tokenizer, metrics and export.')
   flags.mark_flags_as_required(['workdir'])
   flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')
-  app.run(main)

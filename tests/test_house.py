@@ -1,0 +1,163 @@
+"""The text around the code: the front page stays short, every cited file exists, no file speaks of
+how it was made, every asset has a card whose front matter parses, and every generated table in
+the documents equals what its result file renders to."""
+
+import json
+import pathlib
+import re
+
+import pytest
+import yaml
+
+from jetspec_jax.evaluation import doc_tables
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+# Words that describe how the repository was made instead of what it is: numbered work periods,
+# issue numbers, remarks about the machine's state, and a style guide that is not in the repository.
+FORBIDDEN = (
+  r'\bsessions?\b',
+  r'\bissues? #?\d',
+  r'\bthe VM\b',
+  r'\bquiet machine',
+  r'\bslow(?:er)? day\b',
+  r'\bmachine was busy',
+  r'STYLE\.md',
+  r'\bwork[- ]periods?\b',
+)
+FORBIDDEN_RE = re.compile('|'.join(FORBIDDEN), re.I)
+CHECKED_DIRS = ('docs', 'assets', 'jetspec_jax', 'pallas_kernels', 'experiments', 'benchmarks')
+CHECKED_DIRS += ('data', 'notebooks', 'tests')
+CHECKED_SUFFIXES = ('.md', '.py', '.json', '.ipynb', '.toml', '.txt', '.cfg')
+THIS = pathlib.Path(__file__).resolve()
+
+
+def checked_files():
+  files = [ROOT / 'README.md', ROOT / 'Makefile', ROOT / 'pyproject.toml']
+  for d in CHECKED_DIRS:
+    for p in sorted((ROOT / d).rglob('*')):
+      if p.is_file() and p.suffix in CHECKED_SUFFIXES and p.resolve() != THIS:
+        files.append(p)
+  return files
+
+
+def forbidden_hits(text: str) -> list[str]:
+  return [m.group(0) for m in FORBIDDEN_RE.finditer(text)]
+
+
+def test_no_file_speaks_of_how_it_was_made():
+  hits = {}
+  for path in checked_files():
+    found = forbidden_hits(path.read_text(errors='replace'))
+    if found:
+      hits[str(path.relative_to(ROOT))] = sorted(set(found))
+  assert hits == {}
+
+
+def test_the_forbidden_words_check_catches_a_planted_remark():
+  planted = 'Measured in session 58 on a quiet machine (issue 28; see STYLE.md).'
+  assert len(forbidden_hits(planted)) == 4
+  assert forbidden_hits('a busy train station; sessions of a web server are not ours') == [
+    'sessions'
+  ]
+  assert forbidden_hits('the target verifies the tree in one pass') == []
+
+
+MD_CITE = re.compile(r'(?<![\w/.:-])((?:[\w.-]+/)*[\w-]+\.md)\b')
+
+
+def cited_markdown(path: pathlib.Path):
+  text = path.read_text(errors='replace')
+  text = re.sub(r'https?://\S+', '', text)  # links out of the repository are not citations
+  for m in MD_CITE.finditer(text):
+    yield m.group(1)
+
+
+def resolves(citing: pathlib.Path, cited: str) -> bool:
+  return (ROOT / cited).exists() or (citing.parent / cited).exists()
+
+
+def test_every_cited_markdown_file_exists():
+  missing = [
+    f'{p.relative_to(ROOT)}: {c}'
+    for p in checked_files()
+    for c in cited_markdown(p)
+    if not resolves(p, c) and not c.startswith('<')
+  ]
+  assert missing == []
+
+
+def test_the_cited_files_check_catches_a_missing_file(tmp_path):
+  f = tmp_path / 'x.md'
+  f.write_text('see docs/design.md and docs/nowhere.md, https://example.org/y.md')
+  cited = list(cited_markdown(f))
+  assert cited == ['docs/design.md', 'docs/nowhere.md']
+  assert [resolves(f, c) for c in cited] == [True, False]
+
+
+def test_the_front_page_is_short_and_starts_with_the_two_commands():
+  lines = (ROOT / 'README.md').read_text().splitlines()
+  assert len(lines) <= 150
+  head = '\n'.join(lines[:8])
+  assert 'make demo' in head and 'make test' in head
+
+
+ASSET_DIRS = sorted(p for p in (ROOT / 'assets').iterdir() if p.is_dir())
+
+
+def front_matter(path: pathlib.Path) -> dict:
+  text = path.read_text()
+  assert text.startswith('---\n'), f'{path}: no YAML front matter'
+  end = text.index('\n---\n', 4)
+  return yaml.safe_load(text[4:end])
+
+
+@pytest.mark.parametrize('asset', ASSET_DIRS, ids=lambda p: p.name)
+def test_every_asset_has_a_card(asset):
+  meta = front_matter(asset / 'README.md')
+  assert meta['license'] and meta['library_name'] == 'jetspec_jax'
+  body = (asset / 'README.md').read_text()
+  if (asset / 'config.json').exists() and 'target' not in asset.name:
+    assert meta['base_model'] and meta['datasets']
+    for section in ('## Model', '## Training', '## Evaluation', '## Usage', '## Limitations'):
+      assert section in body, f'{asset.name}: no "{section}"'
+    results = meta['model-index'][0]['results']
+    assert results and all(r['metrics'] for r in results)
+    # every preset a card names exists
+    for preset in re.findall(r'draft_\w+\.py:(\w+)', body):
+      config_file = re.search(rf'(draft_\w+)\.py:{preset}', body).group(1)
+      module = __import__(f'experiments.configs.{config_file}', fromlist=['get_config'])
+      module.get_config(preset)
+
+
+def test_the_data_cards_parse():
+  for card in sorted((ROOT / 'data').glob('*/README.md')):
+    meta = front_matter(card)
+    assert meta['license'] and meta['pretty_name']
+
+
+def test_every_generated_table_equals_its_result_file():
+  """A number in a generated block typed by hand, or a result file changed without re-rendering
+  (``python -m jetspec_jax.evaluation.doc_tables``), fails here."""
+  blocks = doc_tables.find_all(ROOT)
+  assert len(blocks) >= 8  # the front page, the results page and every card
+  stale = [f'{b.path.relative_to(ROOT)}: {b.renderer} of {b.source}' for b in blocks if b.stale()]
+  assert stale == []
+
+
+def test_a_hand_edited_number_in_a_generated_table_is_found(tmp_path):
+  blocks = [b for b in doc_tables.find_all(ROOT) if b.path.name == 'README.md']
+  block = blocks[0]
+  assert not block.stale()
+  edited = re.sub(r'\d\.\d\d', '9.99', block.current, count=1)
+  assert edited != block.current
+  assert block.replace(current=edited).stale()
+
+
+def test_result_files_record_what_made_them():
+  """The result files the generated tables read carry their provenance."""
+  for source in sorted({b.source for b in doc_tables.find_all(ROOT)}):
+    record = json.loads((ROOT / source).read_text())
+    prov = record['provenance']
+    for key in ('commit', 'dirty', 'command', 'date_utc', 'cpu', 'versions', 'weights_sha256'):
+      assert key in prov, f'{source}: no {key}'
