@@ -4,7 +4,8 @@
       --workdir=benchmarks/public
 
 Tasks (``--task``): ``public`` (default; responses, tree walks, checks and the rendered table,
-``tasks/public_table.py``), ``heldout`` (``tasks/heldout.py``).
+``tasks/public_table.py``), ``heldout`` (``tasks/heldout.py``), ``online`` (online adaptation on
+public prompt streams, ``tasks/online_streams.py``).
 """
 
 from experiments.tasks import verb
@@ -12,6 +13,7 @@ from experiments.tasks import verb
 TASKS = dict(
   public='experiments.tasks.public_table',
   heldout='experiments.tasks.heldout',
+  online='experiments.tasks.online_streams',
 )
 
 if __name__ == '__main__':

@@ -1,4 +1,4 @@
-"""Issue 26 part 1: the Qwen3-8B head recipe fits 16 GiB chips (v5e) on an 8-device mesh.
+"""The Qwen3-8B head recipe fits 16 GiB chips (v5e) on an 8-device mesh.
 
 The per-device memory of one training step at the config's batch (16 x 4096, 512 anchors) and
 of one data-generation call, from XLA's ``memory_analysis()`` of the jitted functions lowered

@@ -1,4 +1,4 @@
-"""Issue 26 part 2: two processes (coordinator on 127.0.0.1, CPU collectives through gloo) run
+"""Multi-host training: two processes (coordinator on 127.0.0.1, CPU collectives through gloo) run
 ``train_and_evaluate`` as on a two-host slice: each generates its own data shards, they train
 one head over a mesh spanning both, are killed 5 steps after a checkpoint, resume, and end with
 the parameters one 2-device process gets from the same config."""

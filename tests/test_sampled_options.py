@@ -23,7 +23,7 @@ def sharp_target():
   return target.replace(params=jax.tree.map(lambda p: p * 1.5, target.params))
 
 
-def sample_counts(target, head, method, sampling, samples=4000) -> np.ndarray:
+def sample_counts(target, head, method, sampling, samples=4000, first_key=0) -> np.ndarray:
   prompt, plen, capacity = decoding._prepare_prompt(target, PROMPT, 3, extra=80)
   loop = functools.partial(
     rounds.speculative_loop,
@@ -35,7 +35,8 @@ def sample_counts(target, head, method, sampling, samples=4000) -> np.ndarray:
   draw = jax.jit(jax.vmap(lambda k: loop(target, head, prompt, plen, k)[0]))
   counts = np.zeros(125)
   for chunk in range(samples // 2000):
-    tokens = jax.device_get(draw(jax.random.split(jax.random.key(chunk), 2000)))[:, 0]
+    keys = jax.random.split(jax.random.key(first_key + chunk), 2000)
+    tokens = jax.device_get(draw(keys))[:, 0]
     counts += np.bincount(tokens[:, 0] * 25 + tokens[:, 1] * 5 + tokens[:, 2], minlength=125)
   return counts
 

@@ -274,7 +274,7 @@ def markdown(columns: Sequence[tuple[str, str]], rows: Sequence[dict]) -> str:
 
 
 def write_result(result: dict, out_dir, name: str, table: str) -> pathlib.Path:
-  """``out_dir/name.json`` and ``out_dir/name.md``; returns the JSON path."""
+  """``name.json`` and ``name.md`` in ``out_dir``; returns the JSON path."""
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   (out / f'{name}.json').write_text(json.dumps(result, indent=2))

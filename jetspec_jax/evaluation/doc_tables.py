@@ -381,13 +381,20 @@ def find_all(root=ROOT) -> list[Block]:
   return [b for p in documents(root) for b in blocks_in(p, root)]
 
 
-def rewrite(path: pathlib.Path, root=ROOT) -> bool:
-  """Re-renders every block of ``path``; returns whether the file changed."""
+def rewrite(path: pathlib.Path, root=ROOT, missing: list | None = None) -> bool:
+  """Re-renders every block of ``path``; returns whether the file changed. A block whose result
+  file is missing is left as it is and named in ``missing``."""
   text = path.read_text()
 
   def fill(m):
     block = Block(path, m['renderer'], m['arg'], m['source'], m['body'], pathlib.Path(root))
-    return f'{m["open"]}\n{block.expected()}{m["close"]}'
+    try:
+      return f'{m["open"]}\n{block.expected()}{m["close"]}'
+    except FileNotFoundError as e:
+      if missing is None:
+        raise
+      missing.append(str(e))
+      return m.group(0)
 
   new = BLOCK.sub(fill, text)
   if new != text:
@@ -397,12 +404,14 @@ def rewrite(path: pathlib.Path, root=ROOT) -> bool:
 
 def main(argv=None) -> int:
   root = pathlib.Path(argv[1]) if argv and len(argv) > 1 else ROOT
-  changed = [p for p in documents(root) if blocks_in(p, root) and rewrite(p, root)]
+  missing = []
+  changed = [p for p in documents(root) if blocks_in(p, root) and rewrite(p, root, missing)]
   for p in changed:
     print(f'rewrote {p.relative_to(root)}')
-  n = len(find_all(root))
-  print(f'{n} generated blocks, {len(changed)} files changed')
-  return 0
+  for m in missing:
+    print(f'not rendered: {m}')
+  print(f'{len(find_all(root))} generated blocks, {len(changed)} files changed')
+  return 1 if missing else 0
 
 
 if __name__ == '__main__':

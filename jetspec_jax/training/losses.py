@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jetspec_jax.typing import Array
 
-LOSSES = ('fkl', 'ce', 'dspark')
+LOSSES = ('fkl', 'tvd', 'ce', 'dspark')
 DSPARK_WEIGHTS = dict(ce=0.1, tv=0.9, confidence=1.0)
 
 
@@ -116,15 +116,16 @@ def block_losses(
     keep: ``bool[A]`` real blocks.
     lm_head: hidden ``[..., D]`` -> logits ``[..., V]`` (the target's frozen head).
     weights: ``[bs]`` depth weights.
-    loss: ``'fkl'`` or ``'ce'``.
-    temperature: distillation temperature (``'fkl'``).
+    loss: ``'fkl'`` (forward KL to the target's distribution), ``'tvd'`` (total variation
+      distance to it, the other loss online speculative decoding compares) or ``'ce'``.
+    temperature: distillation temperature (``'fkl'``, ``'tvd'``).
     chunk: anchors per chunk (rounded down to a divisor of ``A``).
     remat: recompute each chunk's logits in the backward pass instead of keeping them (bounds
       accelerator memory; on a CPU with room to spare, ``False`` skips the recomputation).
   """
-  if loss not in ('fkl', 'ce'):
+  if loss not in ('fkl', 'tvd', 'ce'):
     raise ValueError(
-      f"loss must be 'fkl' or 'ce' here ('dspark': dspark_block_losses), got {loss!r}"
+      f"loss must be 'fkl', 'tvd' or 'ce' here ('dspark': dspark_block_losses), got {loss!r}"
     )
   # The anchor slot has no loss: it is never projected onto the vocabulary.
   head_hidden, teacher_hidden = head_hidden[:, 1:], teacher_hidden[:, 1:]
@@ -138,6 +139,12 @@ def block_losses(
       log_q = jax.nn.log_softmax(zq / temperature, axis=-1)
       log_p = jax.nn.log_softmax(zp / temperature, axis=-1)
       per_slot = temperature**2 * jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+      label, labelled = jnp.argmax(zp, -1), vld
+    elif loss == 'tvd':
+      zp = jax.lax.stop_gradient(lm_head(th).astype(jnp.float32))
+      q = jax.nn.softmax(zq / temperature, axis=-1)
+      p = jax.nn.softmax(zp / temperature, axis=-1)
+      per_slot = 0.5 * jnp.sum(jnp.abs(p - q), axis=-1)
       label, labelled = jnp.argmax(zp, -1), vld
     else:  # no teacher logits: the label is the data's token
       log_q = jax.nn.log_softmax(zq, axis=-1)
