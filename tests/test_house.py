@@ -167,3 +167,25 @@ def test_result_files_record_what_made_them():
     for key in ('commit', 'dirty', 'command', 'date_utc', 'cpu', 'versions'):
       assert key in prov, f'{path}: no {key}'
     assert 'weights_sha256' in prov or 'heads' in prov, f'{path}: no weight checksums'
+
+
+@pytest.mark.parametrize('kind', ['jetspec', 'dflash', 'jetspecpp', 'dspark'])
+def test_each_shipped_head_is_its_preset(kind):
+  """The architecture a shipped head stores (its config.json) is what its card's preset
+  (``draft_smollm2.py:<kind>_shipped``) builds, and the card names that preset."""
+  from experiments.configs import draft_smollm2
+
+  config = draft_smollm2.get_config(f'{kind}_shipped')
+  asset = ROOT / 'assets' / f'{kind}_head_smollm2_135m'
+  stored = json.loads((asset / 'config.json').read_text())
+  extra = stored['dflash_config']
+  assert stored['num_hidden_layers'] == config.head.num_layers
+  assert stored['block_size'] == config.head.block_size
+  assert extra['causal_head'] == config.head.causal
+  assert tuple(extra['target_layer_ids']) == tuple(config.head.target_layer_ids)
+  assert extra['mask_token_id'] == config.head.mask_token_id
+  assert extra.get('copy_seed', 0) == config.head.copy_seed
+  assert extra.get('markov_rank', 0) == config.head.markov_rank
+  assert (extra.get('head_kind') == 'jetspecpp') == config.head.refine
+  assert f'draft_smollm2.py:{kind}_shipped' in (asset / 'README.md').read_text()
+  assert config.train.init_from == f'runs/{kind}/export' and config.data.prompt_rounds == 3

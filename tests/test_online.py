@@ -3,9 +3,9 @@ learns, updates that hurt are rolled back, and the adapter's state survives a sa
 restore (and a damaged checkpoint is refused)."""
 
 import dataclasses
+import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -160,3 +160,25 @@ def test_bad_settings_are_refused(target):
     online.Adapter(target, dspark, js.methods.DSpark())
   with pytest.raises(ValueError, match='non-empty prompt'):
     online.Adapter(target, head_for(target)).observe([], [1, 2])
+
+
+@pytest.mark.slow  # ~150 s on the real model: `make test-slow`
+def test_online_streams_pipeline_on_smollm2(tmp_path):
+  """The ``:tiny`` online-streams run end to end: responses, a stream adapted on its first half
+  and walked on its second with both heads, real serving equal to AR, a result file."""
+  from experiments.configs import online_smollm2
+  from experiments.tasks import online_streams
+
+  try:
+    js.model_cache.smollm2_135m_instruct_path()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  config = online_smollm2.get_config('tiny')
+  for stage in online_streams.STAGES:
+    getattr(online_streams, f'run_{stage}')(config, tmp_path)
+  result = json.loads((tmp_path / 'results.json').read_text())
+  (stream,) = result['streams']
+  assert stream['adapted_on'] == 2 and len(stream['curve']) == 2 and stream['updates']
+  assert all(r['frozen_tau'] >= 1 and r['adapted_tau'] >= 1 for r in stream['rows'])
+  assert result['serve']['outputs_equal_to_ar'] == result['serve']['prompts']
+  assert result['provenance']['weights_sha256']['head']

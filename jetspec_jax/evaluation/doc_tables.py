@@ -322,7 +322,67 @@ def data_sizes(records: dict[str, dict], arg: str | None) -> str:
   return '\n'.join(lines) + '\n'
 
 
+def online(records: dict[str, dict], arg: str | None) -> str:
+  """Online adaptation per stream: tau on the second half (never adapted on) with the frozen
+  and the adapted head, per method; the updates kept and their cost."""
+  ((source, result),) = records.items()
+  labels = [r['label'] for r in result['streams'][0]['rows']] if result['streams'] else []
+  lines = [
+    '| stream | prompts (adapted on) | '
+    + ' | '.join(f'{lab}: frozen / adapted (gain)' for lab in labels)
+    + ' | updates kept | update s / first-half walk s |',
+    '|---|---|' + '---|' * (len(labels) + 2),
+  ]
+  for st in result['streams']:
+    cells = [
+      f'{r["frozen_tau"]:.2f} / {r["adapted_tau"]:.2f} ({r["gain"]:+.2f})' for r in st['rows']
+    ]
+    kept = sum(u['kept'] for u in st['updates'])
+    lines.append(
+      f'| {st["stream"]} ({", ".join(st["second_half_sets"])}) | {st["prompts"]} '
+      f'({st["adapted_on"]}) | ' + ' | '.join(cells) + f' | {kept} of {len(st["updates"])} | '
+      f'{st["update_seconds"]:.0f} / {st["walk_seconds"]:.0f} |'
+    )
+  serve = result.get('serve')
+  if serve:
+    lines += [
+      '',
+      f'Real serving with updates ({serve["stream"]}, {serve["prompts"]} prompts, up to '
+      f'{serve["max_new_tokens"]} new tokens): {serve["tokens_per_s_serving"]:.1f} tokens/s '
+      f'decoding, {serve["tokens_per_s_with_updates"]:.1f} counting the '
+      f'{serve["updates"]} updates ({serve["update_seconds"]:.0f} s against '
+      f'{serve["serve_seconds"]:.0f} s of decoding); outputs equal to AR: '
+      f'{serve["outputs_equal_to_ar"]} of {serve["prompts"]}.',
+    ]
+  prov = result['provenance']
+  lines += [
+    '',
+    f'{prov["cpu"]}, {prov["cores"]} cores, commit `{str(prov["commit"])[:12]}`, '
+    f'{prov["date_utc"]}.',
+  ]
+  return '\n'.join(lines) + '\n'
+
+
+def online_curve(records: dict[str, dict], arg: str | None) -> str:
+  """The learning curve: pooled tau per window of the first half, each prompt walked with the
+  head of the moment it was served."""
+  ((source, result),) = records.items()
+  window = result['provenance']['config']['window']
+  lines = [f'| stream | tau per window of {window} prompts, in serving order |', '|---|---|']
+  for st in result['streams']:
+    points = []
+    curve = st['curve']
+    for i in range(0, len(curve), window):
+      part = curve[i : i + window]
+      rounds = sum(c['rounds'] for c in part)
+      points.append(f'{sum(c["committed"] for c in part) / rounds:.2f}' if rounds else '—')
+    lines.append(f'| {st["stream"]} | ' + ' → '.join(points) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
 RENDERERS = dict(
+  online=online,
+  online_curve=online_curve,
   data_sizes=data_sizes,
   accel=accel,
   demo_index=demo_index,
