@@ -4,6 +4,7 @@ and the checks that run before any long stage starts."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from etils import epath
 
 from jetspec_jax import methods, sharding
@@ -11,6 +12,7 @@ from jetspec_jax.models import decoder, hf_io, matmul, model_cache
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import features as features_lib
 from jetspec_jax.training import head_sums, losses
+from jetspec_jax.training import shards as shards_lib
 
 TARGET_DTYPES = ('auto', 'float32', 'bfloat16')
 
@@ -208,3 +210,46 @@ def save_resolved_config(config, workdir, name: str = 'config.json') -> epath.Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(config.to_json_best_effort(indent=2))
   return path
+
+
+def load_heldout_batch(config, data_dir=None, subdir: str = 'greedy') -> dict:
+  """The fixed held-out batch: the first ``eval.heldout_sequences`` sequences of the first
+  ``eval.heldout_shards`` shards of ``subdir`` (never trained on: training skips them), with
+  their features and, for ``train.labels='target_argmax'``, the target's argmax labels."""
+  heldout = shards_lib.TokenShards(
+    epath.Path(data_dir or config.data.dir),
+    max_len=config.data.max_len,
+    shards_per_dir=config.eval.heldout_shards,
+    features_dir=config.data.get('features_dir') or None,
+    target_labels=config.train.get('labels', 'data') == 'target_argmax',
+    subdir=subdir,
+  )
+  n = min(len(heldout), config.eval.get('heldout_sequences', 32))
+  items = [heldout[i] for i in range(n)]
+  batch = {k: np.stack([item[k] for item in items]) for k in items[0]}
+  batch['index'] = np.arange(n, dtype=np.int32)
+  return batch
+
+
+def heldout_subdirs(config, data_dir=None) -> list[str]:
+  """The directories of ``eval.heldout_subdirs`` (beside ``greedy/``) that hold shards of the
+  prompt rounds a run reads (``data.prompt_rounds``)."""
+  data_dir = epath.Path(data_dir or config.data.dir)
+  rounds = config.data.get('prompt_rounds')
+  out = []
+  for subdir in config.eval.get('heldout_subdirs', ()):
+    paths = shards_lib.shard_paths(data_dir / subdir)
+    if paths and (rounds is None or shards_lib.prompt_round_of(paths[0], data_dir) < rounds):
+      out.append(subdir)
+  return out
+
+
+def first_response_tokens(batch: dict, n: int) -> dict:
+  """``batch`` with only the first ``n`` response tokens of each sequence scored.
+
+  The loss mask is cut after the ``n``-th response token, so anchors and draft slots past it
+  do not count: the teacher-forced metrics then describe the start of an answer, which is what
+  decoding ``n`` new tokens sees (an answer has had less of itself to copy there)."""
+  mask = np.asarray(batch['loss_mask'])
+  kept = mask * (np.cumsum(mask > 0, axis=1) <= n)
+  return dict(batch, loss_mask=kept.astype(mask.dtype))
