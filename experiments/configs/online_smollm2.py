@@ -7,7 +7,8 @@ Each stream is a seeded sequence of public prompts (jetspec_jax/evaluation/promp
 target's greedy responses (what serving them returns) are generated once; the adapter observes
 the first half of a stream in order, updating as it goes (the learning curve: each prompt's tau
 with the head of that moment, before it is observed), and the second half, never adapted on, is
-walked with the frozen and the adapted head. ``:tiny``: a few short prompts (tests).
+walked with the frozen and the adapted head. ``:only_<stream>``: one stream (processes side by
+side each take one); ``:tiny``: a few short prompts (tests).
 """
 
 import ml_collections
@@ -64,6 +65,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.serve_prompts = 16
   config.serve_max_new_tokens = 128
   config.cache_dir = ''
+  if arg and arg.startswith('only_'):  # e.g. 'only_chat': one stream (processes side by side)
+    names = arg.removeprefix('only_').split('_and_')
+    config.streams = [s for s in config.streams if s[0] in names]
+    if len(config.streams) != len(names):
+      raise ValueError(f'unknown stream in {arg!r}; streams: {[s[0] for s in STREAMS]}')
   if arg == 'tiny':  # the real model, a few short responses (tests)
     config.streams = [['gsm8k', [['gsm8k', 4]], 'shuffle']]
     config.max_new_tokens = 16
