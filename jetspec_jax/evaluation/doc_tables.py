@@ -330,7 +330,7 @@ def online(records: dict[str, dict], arg: str | None) -> str:
   lines = [
     '| stream | prompts (adapted on) | '
     + ' | '.join(f'{lab}: frozen / adapted (gain)' for lab in labels)
-    + ' | updates kept | update s / first-half walk s |',
+    + ' | updates kept | seconds updating / walking |',
     '|---|---|' + '---|' * (len(labels) + 2),
   ]
   for st in result['streams']:
@@ -350,7 +350,7 @@ def online(records: dict[str, dict], arg: str | None) -> str:
       f'Real serving with updates ({serve["stream"]}, {serve["prompts"]} prompts, up to '
       f'{serve["max_new_tokens"]} new tokens): {serve["tokens_per_s_serving"]:.1f} tokens/s '
       f'decoding, {serve["tokens_per_s_with_updates"]:.1f} counting the '
-      f'{serve["updates"]} updates ({serve["update_seconds"]:.0f} s against '
+      f'updates ({serve["updates"]}: {serve["update_seconds"]:.0f} s against '
       f'{serve["serve_seconds"]:.0f} s of decoding); outputs equal to AR: '
       f'{serve["outputs_equal_to_ar"]} of {serve["prompts"]}.',
     ]
