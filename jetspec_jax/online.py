@@ -21,7 +21,6 @@ features are computed by one teacher-forced forward per served sequence, cached 
 
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import pathlib
@@ -37,6 +36,7 @@ import orbax.checkpoint as ocp
 
 from jetspec_jax import decoding, sharding
 from jetspec_jax import methods as methods_lib
+from jetspec_jax.evaluation import provenance
 from jetspec_jax.models import decoder
 from jetspec_jax.models import draft_head as draft_head_lib
 from jetspec_jax.training import checkpoint as ckpt
@@ -352,7 +352,7 @@ class Adapter:
       serve_seconds=self.serve_seconds,
       updates=self.updates,
       rng=self._rng.bit_generator.state,
-      buffer_sha256=_sha256(tmp / BUFFER_FILE),
+      buffer_sha256=provenance.file_sha256(tmp / BUFFER_FILE),
     )
     (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
     shutil.rmtree(directory, ignore_errors=True)
@@ -372,7 +372,7 @@ class Adapter:
       meta = json.loads((directory / META_FILE).read_text())
     except ValueError as e:
       raise CheckpointError(f'{directory / META_FILE} is not valid JSON: {e}') from e
-    if _sha256(directory / BUFFER_FILE) != meta.get('buffer_sha256'):
+    if provenance.file_sha256(directory / BUFFER_FILE) != meta.get('buffer_sha256'):
       raise CheckpointError(f'{directory / BUFFER_FILE} does not match its recorded checksum')
     if meta.get('head_kind') != head.cfg.kind:
       raise CheckpointError(
@@ -412,7 +412,3 @@ class Adapter:
 @functools.partial(jax.jit, static_argnums=2)
 def _target_pass(target, tokens, taps):
   return head_sums.target_pass(target, tokens, taps)
-
-
-def _sha256(path) -> str:
-  return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()

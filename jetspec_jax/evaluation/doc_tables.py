@@ -43,8 +43,14 @@ def _public_rows(result: dict) -> dict[tuple[str, str], dict]:
   return {(r['drafter'], r['method']): r for r in result['rows']}
 
 
-def _fmt(x, spec='.2f') -> str:
-  return '—' if x is None else format(x, spec)
+_fmt = report._fmt  # '—' for a missing value
+
+
+def _machine(prov: dict) -> str:
+  """Where and when a result file was made, as the tables state it once."""
+  return (
+    f'{prov["cpu"]}, {prov["cores"]} cores, commit `{str(prov["commit"])[:12]}`, {prov["date_utc"]}'
+  )
 
 
 def _spread(row: dict) -> str:
@@ -230,8 +236,7 @@ def speed(records: dict[str, dict], arg: str | None) -> str:
     '',
     f'{result["prompts"]} prompts, {result["max_new_tokens"]} new tokens each, settings '
     f'interleaved prompt by prompt; outputs equal to AR: {result["outputs_equal"]}. '
-    f'{prov["cpu"]}, {prov["cores"]} cores, commit `{str(prov["commit"])[:12]}`, '
-    f'{prov["date_utc"]}.',
+    f'{_machine(prov)}.',
   ]
   return '\n'.join(lines) + '\n'
 
@@ -296,8 +301,7 @@ def accel(records: dict[str, dict], arg: str | None) -> str:
     lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
   lines += [
     '',
-    f'{prov["cpu"]}, {prov["cores"]} cores, commit `{str(prov["commit"])[:12]}`, '
-    f'{prov["date_utc"]}; median of {result["config"]["repeats"]} calls.',
+    f'{_machine(prov)}; median of {result["config"]["repeats"]} calls.',
   ]
   return '\n'.join(lines) + '\n'
 
@@ -357,8 +361,7 @@ def online(records: dict[str, dict], arg: str | None) -> str:
   prov = result['provenance']
   lines += [
     '',
-    f'{prov["cpu"]}, {prov["cores"]} cores, commit `{str(prov["commit"])[:12]}`, '
-    f'{prov["date_utc"]}.',
+    f'{_machine(prov)}.',
   ]
   return '\n'.join(lines) + '\n'
 
