@@ -1,7 +1,7 @@
 """Decoding benchmarks: tau, tokens/s and speedup of every setting on prompt groups, settings
 interleaved prompt by prompt.
 
-  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py \
+  python -m experiments.benchmark --config=experiments/configs/benchmark/smollm2.py \
       --workdir=runs/benchmark
 
 Tasks (``--task``): ``decode`` (default; ``tasks/decode_benchmark.py``), ``bf16`` (float32

@@ -1,6 +1,6 @@
 """Data: self-distilled token shards, their target-feature cache, and what is calibrated on them.
 
-  python -m experiments.data --config=experiments/configs/draft_smollm2.py \
+  python -m experiments.data --config=experiments/configs/train/draft_smollm2.py \
       --workdir=data/smollm2_135m
 
 Tasks (``--task``): ``generate`` (default; the target answers each prompt,

@@ -1,6 +1,6 @@
 """Evaluation: the public benchmark table, and held-out teacher-forced metrics of heads.
 
-  python -m experiments.evaluate --config=experiments/configs/evaluate_smollm2.py \
+  python -m experiments.evaluate --config=experiments/configs/evaluate/public_smollm2.py \
       --workdir=benchmarks/public
 
 Tasks (``--task``): ``public`` (default; responses, tree walks, checks and the rendered table,

@@ -1,7 +1,7 @@
 """Microbenchmarks: the parts of a round, the tree-attention kernel, training throughput, matmul
 precision modes, and the memory plan of a large recipe.
 
-  python -m experiments.microbench --config=experiments/configs/accel.py:smollm2_135m \
+  python -m experiments.microbench --config=experiments/configs/microbench/accel.py:smollm2_135m \
       --workdir=benchmarks/accel
 
 Tasks (``--task``): ``round`` (default; ``tasks/round_costs.py``), ``kernel``

@@ -1,9 +1,10 @@
 """Training: a draft head by self-distillation (a config with a ``head``), or the small code
 model from scratch (a target config such as ``configs/target_code_small.py``); resumable.
 
-  python -m experiments.train --config=experiments/configs/draft_smollm2.py:jetspec \
+  python -m experiments.train --config=experiments/configs/train/draft_smollm2.py:jetspec \
       --workdir=runs/jetspec
-  python -m experiments.train --task=target --config=experiments/configs/target_code_small.py \
+  python -m experiments.train --task=target \
+      --config=experiments/configs/train/target_code_small.py \
       --workdir=runs/target
 
 Tasks (``--task``): ``draft`` (default; ``tasks/train_draft.py``), ``target``

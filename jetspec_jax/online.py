@@ -148,6 +148,7 @@ class Adapter:
     self.served = 0
     self.updates: list[dict] = []
     self.serve_seconds = 0.0
+    self.feature_seconds = 0.0  # teacher-forced forwards of served sequences (features='cache')
     self._train: list[Served] = []
     self._holdout: list[Served] = []
     self._rng = np.random.default_rng(config.seed)
@@ -188,7 +189,9 @@ class Adapter:
     mask = np.concatenate([np.zeros(prompt.size, np.uint8), np.ones(output.size, np.uint8)])
     seq = Served(tokens, mask[: self.config.max_len], bool(sampled))
     if self.config.features == 'cache':
+      start = time.perf_counter()
       seq.features = self._features(tokens)
+      self.feature_seconds += time.perf_counter() - start
     self.served += 1
     held = self.config.holdout_every and self.served % self.config.holdout_every == 0
     if held:

@@ -9,9 +9,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from experiments.configs import draft_smollm2
+from experiments.configs.train import draft_smollm2
 from jetspec_jax import corpus
-from jetspec_jax.training import chat_data, chat_prompts
+from jetspec_jax.training import chat_data, chat_prompts, run_config
 from jetspec_jax.training import shards as shards_lib
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / 'data' / 'smollm2_135m'
@@ -52,7 +52,7 @@ def assert_first_shards_answer(tokenizer, texts, data_config, data_dir):
 
 
 def test_round0_reproduces_the_committed_shards(config):
-  tokenizer = chat_data.tokenizer_for(config.target)
+  tokenizer = run_config.tokenizer_for(config.target)
   instructions = chat_data.instructions_from_shards(
     sorted((DATA / 'instructions').glob('shard_*.npz')), tokenizer
   )
@@ -62,7 +62,7 @@ def test_round0_reproduces_the_committed_shards(config):
 
 def test_round2_reproduces_its_committed_shards(config):
   """The 'tasks' round's committed shards answer the prompts its plan makes after rounds 0-1."""
-  tokenizer = chat_data.tokenizer_for(config.target)
+  tokenizer = run_config.tokenizer_for(config.target)
   seen = set()
   for prompt_round, folder in ((0, 'instructions'), (1, 'instructions_round1')):
     instructions = chat_data.instructions_from_shards(

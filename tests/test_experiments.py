@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import jetspec_jax as js
-from experiments.configs import benchmark as benchmark_config
-from experiments.configs import demo as demo_config
-from experiments.configs import draft_qwen3_8b, draft_tiny, target_code_small
+from experiments.configs.benchmark import code_small as benchmark_config
+from experiments.configs.demo import main_job as demo_config
+from experiments.configs.train import draft_qwen3_8b, draft_tiny, target_code_small
 from experiments.tasks import decode_benchmark, demo, generate_data
 
 ASSETS = {
@@ -83,7 +83,7 @@ def test_benchmark_runs_on_tiny_config(tmp_path):
 
 
 def test_tree_attention_benchmark_runs_on_tiny_config(tmp_path):
-  from experiments.configs import tree_attention
+  from experiments.configs.microbench import tree_attention
   from experiments.tasks import kernel_bench
 
   result = kernel_bench.run(tree_attention.get_config('tiny'), str(tmp_path))
@@ -141,7 +141,7 @@ def test_qwen3_8b_recipe_config():
 def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
   """The README's SmolLM2 benchmark: best_first trees of 8 and 16 nodes with and without 4 copy
   candidates at T=0, the heads alone at T=1, and batch settings it measures at T=0."""
-  from experiments.configs import benchmark_smollm2
+  from experiments.configs.benchmark import smollm2 as benchmark_smollm2
 
   config = benchmark_smollm2.get_config()
   kinds = {'jetspec': 'jetspec', 'dflash': 'dflash'}
@@ -177,7 +177,7 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
 )
 def test_smollm2_benchmark_configs_name_settings_they_run(arg):
   """Every batch and round-cost setting a SmolLM2 benchmark config names is one of its runs."""
-  from experiments.configs import benchmark_smollm2
+  from experiments.configs.benchmark import smollm2 as benchmark_smollm2
 
   config = benchmark_smollm2.get_config(arg)
   known = ('jetspec', 'dflash', 'dspark', 'jetspecpp')
@@ -189,7 +189,7 @@ def test_smollm2_benchmark_configs_name_settings_they_run(arg):
 
 @pytest.mark.parametrize('name', ['jetspec', 'dflash'])
 def test_code_small_head_configs(name):
-  from experiments.configs import draft_code_small
+  from experiments.configs.train import draft_code_small
 
   config = draft_code_small.get_config(name)
   assert config.head.causal == (name == 'jetspec')
@@ -199,7 +199,7 @@ def test_code_small_head_configs(name):
 
 
 def test_accelerator_benchmark_runs_on_tiny_config(tmp_path):
-  from experiments.configs import accel
+  from experiments.configs.microbench import accel
   from experiments.tasks import round_costs
 
   result = round_costs.run(accel.get_config('tiny'), str(tmp_path))

@@ -130,7 +130,7 @@ def test_every_asset_has_a_card(asset):
     # every preset a card names exists
     for preset in re.findall(r'draft_\w+\.py:(\w+)', body):
       config_file = re.search(rf'(draft_\w+)\.py:{preset}', body).group(1)
-      module = __import__(f'experiments.configs.{config_file}', fromlist=['get_config'])
+      module = __import__(f'experiments.configs.train.{config_file}', fromlist=['get_config'])
       module.get_config(preset)
 
 
@@ -173,7 +173,7 @@ def test_result_files_record_what_made_them():
 def test_each_shipped_head_is_its_preset(kind):
   """The architecture a shipped head stores (its config.json) is what its card's preset
   (``draft_smollm2.py:<kind>_shipped``) builds, and the card names that preset."""
-  from experiments.configs import draft_smollm2
+  from experiments.configs.train import draft_smollm2
 
   config = draft_smollm2.get_config(f'{kind}_shipped')
   asset = ROOT / 'assets' / f'{kind}_head_smollm2_135m'

@@ -153,3 +153,41 @@ def test_every_method_is_listed_once_and_built_from_its_config():
     # ... also through JSON (a result record's method), which turns tuples into lists
     again = js.methods.from_config(json.loads(json.dumps(method.to_config())))
     assert again == method and hash(again) == hash(method)
+
+
+def test_no_source_file_is_long():
+  """Files with one job: no module of the package is over 600 lines."""
+  long = {}
+  for path in sources().values():
+    lines = len(path.read_text().splitlines())
+    if lines > 600:
+      long[str(path.relative_to(ROOT))] = lines
+  assert not long, long
+
+
+# An experiment config (ml_collections) is read as ``config.<block>`` (the whole config) or as a
+# block handed down (``data_config``, ``train_config``, ``target_config``).
+RAW_CONFIG = re.compile(r'\bconfig\.(data|train|eval|head|target|mesh)\b')
+CONFIG_BLOCK = re.compile(r'\b(data|train|target|eval)_config\b')
+
+
+def test_the_experiment_config_is_read_in_few_places():
+  """Following a head-training config down the package climbs back to it in few places: the
+  orchestration and the module that resolves it into typed values read the whole config; the
+  data block is read by the prompt readers, the data writers and the chat-data plan.
+  Everything else takes typed values."""
+  files = {str(p.relative_to(ROOT)): p.read_text() for p in sources().values()}
+  whole = {name for name, text in files.items() if RAW_CONFIG.search(text)}
+  blocks = {name for name, text in files.items() if CONFIG_BLOCK.search(text)}
+  training = 'jetspec_jax/training/'
+  assert whole == {
+    training + 'head_trainer.py',
+    training + 'run_config.py',
+    training + 'chat_data.py',
+  }
+  assert blocks == {
+    training + 'run_config.py',
+    training + 'prompt_io.py',
+    training + 'data.py',
+    training + 'chat_data.py',
+  }

@@ -29,7 +29,7 @@ def test_qwen3_8b_recipe_fits_16_gib_per_device(tmp_path):
     '-m',
     'experiments.microbench',
     '--task=memory',
-    '--config=experiments/configs/draft_qwen3_8b.py',
+    '--config=experiments/configs/train/draft_qwen3_8b.py',
     '--target_preset=qwen3_8b',
     '--meshes=1x8',
     f'--out={out}',

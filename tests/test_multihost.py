@@ -18,7 +18,7 @@ process_id, workdir, kill_at = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 import jax
 from jetspec_jax import sharding, training
 from jetspec_jax.training import shards as shards_lib
-from experiments.configs import draft_tiny
+from experiments.configs.train import draft_tiny
 write_shard = shards_lib.write_shard
 def recording_write_shard(path, *args, **kwargs):
   print('WROTE', jax.process_index(), path.name, flush=True)

@@ -166,7 +166,7 @@ def test_bad_settings_are_refused(target):
 def test_online_streams_pipeline_on_smollm2(tmp_path):
   """The ``:tiny`` online-streams run end to end: responses, a stream adapted on its first half
   and walked on its second with both heads, real serving equal to AR, a result file."""
-  from experiments.configs import online_smollm2
+  from experiments.configs.evaluate import online_smollm2
   from experiments.tasks import online_streams
 
   try:
@@ -181,4 +181,7 @@ def test_online_streams_pipeline_on_smollm2(tmp_path):
   assert stream['adapted_on'] == 2 and len(stream['curve']) == 2 and stream['updates']
   assert all(r['frozen_tau'] >= 1 and r['adapted_tau'] >= 1 for r in stream['rows'])
   assert result['serve']['outputs_equal_to_ar'] == result['serve']['prompts']
+  (bound,) = result['bounds']
+  assert [r['trained_on'] for r in bound['rows']] == ['first half', 'second half']
+  assert all(r['tau'] >= 1 and r['steps'] == 2 for r in bound['rows'])
   assert result['provenance']['weights_sha256']['head']

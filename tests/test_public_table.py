@@ -108,7 +108,7 @@ def test_pipeline_on_smollm2_walk_equals_generate(smollm2, tmp_path):  # noqa: F
   """The ``:tiny`` evaluation end to end on the real model: responses (MT-Bench's second turn
   after the first answer), walks, and every walked record re-decoded by ``js.generate`` with its
   messages, head and method gives the stored output and the walk's rounds."""
-  from experiments.configs import evaluate_smollm2
+  from experiments.configs.evaluate import public_smollm2 as evaluate_smollm2
   from experiments.tasks import public_table
 
   config = evaluate_smollm2.get_config('tiny')

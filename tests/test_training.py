@@ -17,12 +17,11 @@ from absl import logging as absl_logging
 from etils.epath import testing as etils_testing
 
 import jetspec_jax as js
-from experiments.configs import draft_tiny
+from experiments.configs.train import draft_tiny
 from experiments.tasks import generate_data, heldout
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.training import blocks as blocks_lib
 from jetspec_jax.training import (
-  chat_data,
   copy_baseline,
   head_step,
   head_sums,
@@ -450,7 +449,7 @@ def test_generate_data_and_train_from_jsonl_conversations(tmp_path):
   assert sorted(got) == sorted(want)
   assert tokenizer.decode(want[1]).startswith('<system>Be brief.\n<user>hello world\n<assistant>hi')
   # train_draft reads the same file the same way (its evaluation prompts and data fallback).
-  load = functools.partial(chat_data.tokenizer_for, config.target)
+  load = functools.partial(run_config.tokenizer_for, config.target)
   again = prompt_io.prompts_from_config(config.data, cfg['vocab_size'], load)
   assert [p.tolist() for p in again] == want
   # One read gives both the prompts and their stop ids (the tokenizer's end of turn).

@@ -8,7 +8,7 @@ bfloat16 halves (``split_inputs=True``, ``bfloat16x2``; activations, norms and t
 float32), the split one with its prompt forward in rounded bfloat16
 (``with_prefill_compute_dtype('bfloat16')``, ``bfloat16x2+bf16_prefill``: AR reads the same
 prefill), and the same target in float32, each decoding the held-out prompts of
-``configs/benchmark_smollm2.py`` (3 per group, greedy, the model's stop ids) with AR, a chain and
+``configs/benchmark/smollm2.py`` (3 per group, greedy, the model's stop ids) with AR, a chain and
 ``best_first`` trees, settings of both targets interleaved prompt by prompt after a compile
 warm-up each. Per setting: tau, tokens/s, speedup over the float32 AR and over the bfloat16 AR,
 and how many greedy outputs equal AR's of the same target and the float32 AR's (token for

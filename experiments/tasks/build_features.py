@@ -1,6 +1,6 @@
 """Builds the target-feature cache a head-training config reads, in parallel processes.
 
-  python -m experiments.data --task=features --config=experiments/configs/draft_smollm2.py \
+  python -m experiments.data --task=features --config=experiments/configs/train/draft_smollm2.py \
       --config.data.prompt_rounds=3 --workers=2
 
 ``train_draft`` computes the features it is missing itself, in one process; on a fresh machine

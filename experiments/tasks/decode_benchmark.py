@@ -1,7 +1,8 @@
 """Benchmark harness: tau, tokens/s and speedup of ``ar``, ``chain`` and ``tree`` decoding.
 
-  python -m experiments.benchmark --config=experiments/configs/benchmark.py --workdir=benchmarks
-  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py \
+  python -m experiments.benchmark --config=experiments/configs/benchmark/code_small.py \
+      --workdir=benchmarks
+  python -m experiments.benchmark --config=experiments/configs/benchmark/smollm2.py \
       --workdir=benchmarks/smollm2_135m
 
 For every temperature, every prompt is decoded with AR and with each (head, method, budget, tree
@@ -394,6 +395,8 @@ def main(argv):
 
 def define_flags() -> None:
   """This task's command-line flags (the verb binary defines them before parsing)."""
-  config_flags.DEFINE_config_file('config', 'experiments/configs/benchmark.py', 'Benchmark.')
+  config_flags.DEFINE_config_file(
+    'config', 'experiments/configs/benchmark/code_small.py', 'Benchmark.'
+  )
   flags.DEFINE_string('workdir', 'benchmarks', 'Where JSON, table and plots go.')
   flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')

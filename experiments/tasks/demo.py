@@ -1,7 +1,8 @@
 """The main job: ar vs chain vs tree (vs tree + copy candidates) decoding of SmolLM2-135M-Instruct,
 lossless and timed.
 
-  make demo   # == python -m experiments.demo [--config=experiments/configs/demo.py[:code_small]]
+  make demo
+  # == python -m experiments.demo [--config=experiments/configs/demo/main_job.py[:code_small]]
 
 Loads the target (the packaged SmolLM2-135M-Instruct GGUF by default), its tokenizer and JetSpec
 head, generates greedily for a few held-out chat-formatted prompts (code and chat) with each
@@ -192,6 +193,8 @@ def main(argv):
 
 def define_flags() -> None:
   """This task's command-line flags (the verb binary defines them before parsing)."""
-  config_flags.DEFINE_config_file('config', 'experiments/configs/demo.py', 'Demo configuration.')
+  config_flags.DEFINE_config_file(
+    'config', 'experiments/configs/demo/main_job.py', 'Demo configuration.'
+  )
   flags.DEFINE_string('workdir', 'runs/demo', 'Where the plot goes.')
   flags.DEFINE_string('out', '', 'Also write a result file (benchmarks/main_job.json).')

@@ -1,11 +1,10 @@
 """Generates self-distilled training data: the target regenerates each prompt's response.
 
-  python -m experiments.data --config=experiments/configs/draft_tiny.py --workdir=DIR
+  python -m experiments.data --config=experiments/configs/train/draft_tiny.py --workdir=DIR
 
 Writes token shards to ``config.data.dir`` (or DIR/data); re-running skips finished shards.
 """
 
-import functools
 import json
 import pathlib
 import random
@@ -16,7 +15,6 @@ from ml_collections import config_flags
 
 from jetspec_jax import sharding
 from jetspec_jax.training import chat_data, public_chat, run_config
-from jetspec_jax.training import data as data_lib
 
 
 def run(config, workdir: str) -> list[pathlib.Path]:
@@ -29,22 +27,18 @@ def run(config, workdir: str) -> list[pathlib.Path]:
   if config.data.prompts == 'public_chat':  # ShareGPT + Alpaca conversations, every turn
     return generate_public_chat(config, target, pathlib.Path(config.data.dir or workdir))
   if config.data.prompts == 'chat_mix':  # an instruct target: prompts made offline, 2 stages
-    tokenizer = chat_data.tokenizer_for(config.target)
+    tokenizer = run_config.tokenizer_for(config.target)
     data_dir, counts = chat_data.generate_chat_dataset(config, target, tokenizer, workdir)
     logging.info('chat data: %s', counts)
     return sorted(data_dir.rglob('shard_*.npz'))
-  return data_lib.generate_from_config(  # JSON-lines text / conversations: the chat template
-    config,
-    target,
-    config.data.dir or pathlib.Path(workdir) / 'data',
-    functools.partial(chat_data.tokenizer_for, config.target),
-  )
+  # JSON-lines text / conversations (the chat template), stdlib functions, random ids
+  return run_config.generate_data(config, target, config.data.dir or pathlib.Path(workdir) / 'data')
 
 
 def generate_public_chat(config, target, data_dir: pathlib.Path) -> list[pathlib.Path]:
   """The filtered conversations in a seeded order (a partial dataset is a random sample of them),
   their selection counts in ``data_dir/selection.json``, then every turn answered."""
-  tokenizer = chat_data.tokenizer_for(config.target)
+  tokenizer = run_config.tokenizer_for(config.target)
   conversations = public_chat.sharegpt() + public_chat.alpaca_demo()
   kept, counts = public_chat.select(
     conversations, eval_index=public_chat.eval_index(), max_turns=config.data.max_turns
@@ -81,7 +75,9 @@ def main(argv):
 
 def define_flags() -> None:
   """This task's command-line flags (the verb binary defines them before parsing)."""
-  config_flags.DEFINE_config_file('config', 'experiments/configs/draft_tiny.py', 'Data config.')
+  config_flags.DEFINE_config_file(
+    'config', 'experiments/configs/train/draft_tiny.py', 'Data config.'
+  )
   flags.DEFINE_string('workdir', None, 'Where data/ goes unless config.data.dir is set.')
   flags.mark_flags_as_required(['workdir'])
   flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')

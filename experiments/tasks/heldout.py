@@ -1,6 +1,7 @@
 """Held-out, teacher-forced metrics of exported heads and of the copy drafter, side by side.
 
-  python -m experiments.evaluate --task=heldout --config=experiments/configs/draft_smollm2.py \
+  python -m experiments.evaluate --task=heldout \
+      --config=experiments/configs/train/draft_smollm2.py \
       --heads=recipe=runs/jetspec_r3_full/export,seeded=runs/jetspec_copy3_r3data/export \
       --first_tokens=0,48 --out=benchmarks/heldout_smollm2.json
 
@@ -240,7 +241,9 @@ def main(argv):
 def define_flags() -> None:
   """This task's command-line flags (the verb binary defines them before parsing)."""
   config_flags.DEFINE_config_file(
-    'config', 'experiments/configs/draft_smollm2.py', 'The training config (target, data, eval).'
+    'config',
+    'experiments/configs/train/draft_smollm2.py',
+    'The training config (target, data, eval).',
   )
   flags.DEFINE_string('heads', '', 'name=export_dir pairs, comma-separated.')
   flags.DEFINE_string(

@@ -1,6 +1,7 @@
 """Benchmarks the tree-attention kernel against the XLA dense-mask path.
 
-  python -m experiments.microbench --task=kernel --config=experiments/configs/tree_attention.py
+  python -m experiments.microbench --task=kernel \
+      --config=experiments/configs/microbench/tree_attention.py
 
 The kernel is the platform's (:mod:`pallas_kernels.dispatch`): Triton on a CUDA GPU, Mosaic on a
 TPU, the interpreted Triton kernel on CPU. Writes ``tree_attention_<device>.json`` and a markdown
@@ -109,5 +110,5 @@ def main(argv):
 def define_flags() -> None:
   """This task's command-line flags (the verb binary defines them before parsing)."""
   # Flags are defined only when run as a binary, so tests can import several binaries.
-  config_flags.DEFINE_config_file('config', 'experiments/configs/tree_attention.py')
+  config_flags.DEFINE_config_file('config', 'experiments/configs/microbench/tree_attention.py')
   flags.DEFINE_string('workdir', 'benchmarks', 'Where the JSON and table go.')

@@ -3,7 +3,8 @@ without weights or accelerators: the jitted functions are lowered on abstract, s
 and compiled, and XLA's ``memory_analysis()`` gives arguments + temporaries per device.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
-    python -m experiments.microbench --task=memory --config=experiments/configs/draft_qwen3_8b.py \\
+    python -m experiments.microbench --task=memory \\
+      --config=experiments/configs/train/draft_qwen3_8b.py \\
       --target_preset=qwen3_8b --meshes=1x8,2x4,8x1+fsdp --out=benchmarks/memory_qwen3_8b
 
 The compile is XLA:CPU's (forced host devices stand in for the chips): it upcasts some bfloat16
@@ -176,7 +177,7 @@ def main(argv):
 def define_flags() -> None:
   """This task's command-line flags (the verb binary defines them before parsing)."""
   global _CONFIG, _PRESET, _MESHES, _OUT
-  _CONFIG = config_flags.DEFINE_config_file('config', 'experiments/configs/draft_qwen3_8b.py')
+  _CONFIG = config_flags.DEFINE_config_file('config', 'experiments/configs/train/draft_qwen3_8b.py')
   _PRESET = flags.DEFINE_string('target_preset', 'qwen3_8b', 'decoder.PRESETS name of the target')
   _MESHES = flags.DEFINE_list(
     'meshes', ['1x8', '2x4', '8x1+fsdp'], 'data x model meshes to analyse (+fsdp: mesh.fsdp)'

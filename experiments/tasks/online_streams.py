@@ -1,6 +1,8 @@
-"""Online adaptation measured on public prompt streams (``experiments/configs/online_smollm2.py``).
+"""Online adaptation measured on public prompt streams
+(``experiments/configs/evaluate/online_smollm2.py``).
 
-  python -m experiments.evaluate --task=online --config=experiments/configs/online_smollm2.py \
+  python -m experiments.evaluate --task=online \
+      --config=experiments/configs/evaluate/online_smollm2.py \
       --workdir=benchmarks/online
 
 Stages (``--stages``, resumable: finished parts are read back):
@@ -8,6 +10,9 @@ Stages (``--stages``, resumable: finished parts are read back):
   streams    per stream: the adapter observes the first half in order (each prompt walked first
              with the head of that moment: the learning curve), then the second half is walked
              with the frozen and the adapted head; ``WORKDIR/<stream>.json`` each
+  bounds     per stream (``config.bound_streams``): what adapting harder gives, no rollback,
+             ``bound_steps`` steps on the first half at once, and on the second half itself (an
+             oracle: the prompts it is scored on); ``WORKDIR/<stream>_bounds.json`` each
   serve      real serving with updates on the first stream's first prompts (``js.generate``'s
              wall time against the updates')
   render     ``WORKDIR/results.json`` (with provenance) from the stream files
@@ -31,7 +36,7 @@ from jetspec_jax import online
 from jetspec_jax.evaluation import prompt_sets, provenance, responses, tree_walk
 from jetspec_jax.models import model_cache
 
-STAGES = ('responses', 'streams', 'serve', 'render')
+STAGES = ('responses', 'streams', 'bounds', 'serve', 'render')
 FLAGS = flags.FLAGS
 
 
@@ -183,6 +188,62 @@ def run_streams(config, workdir: pathlib.Path) -> None:
     run_stream(config, workdir, name, prompts, target, tok, head)
 
 
+def run_bound(config, workdir: pathlib.Path, name: str, prompts, target, tok, head) -> dict:
+  """Tau on the second half (the curve's method) after ``bound_steps`` steps at once on one
+  half, every sequence in the buffer, no held-out slice and no rollback."""
+  stored = responses.read(workdir / 'responses.jsonl')
+  method = _methods(config)[config.curve_method]
+  half = len(prompts) // 2
+  second = [
+    (responses.prompt_ids(tok, p), stored[p.benchmark, p.prompt_id]) for p in prompts[half:]
+  ]
+  frozen = json.loads((workdir / f'{name}.json').read_text())
+  rows = []
+  for trained_on, part in (('first half', prompts[:half]), ('second half', prompts[half:])):
+    settings = dict(
+      config.online.to_dict(),
+      update_every=len(part),
+      steps=config.bound_steps,
+      buffer_size=len(part),
+      holdout_every=0,
+    )
+    adapter = online.Adapter(target, head, method, online.OnlineConfig(**settings))
+    for p in part:
+      adapter.observe(responses.prompt_ids(tok, p), stored[p.benchmark, p.prompt_id]['response'])
+    walks = [
+      tree_walk.walks(target, adapter.head, ids, rec['response'], [method])[0][0]
+      for ids, rec in second
+    ]
+    rows.append(
+      dict(
+        trained_on=trained_on,
+        steps=config.bound_steps,
+        loss=adapter.updates[-1]['loss'],
+        update_seconds=adapter.updates[-1]['seconds'],
+        tau=_pooled(walks),
+      )
+    )
+    logging.info('%s bound, %s: %s', name, trained_on, rows[-1])
+  curve_row = frozen['rows'][config.curve_method]
+  result = dict(
+    stream=name,
+    method=method.to_config(),
+    label=_label(method),
+    frozen_tau=curve_row['frozen_tau'],
+    online_tau=curve_row['adapted_tau'],
+    rows=rows,
+  )
+  (workdir / f'{name}_bounds.json').write_text(json.dumps(result, indent=1) + '\n')
+  return result
+
+
+def run_bounds(config, workdir: pathlib.Path) -> None:
+  target, tok, head = load(config)
+  for name, prompts in streams(config).items():
+    if name in config.bound_streams and not (workdir / f'{name}_bounds.json').exists():
+      run_bound(config, workdir, name, prompts, target, tok, head)
+
+
 def run_serve(config, workdir: pathlib.Path) -> dict | None:
   """Real serving with updates: the first stream's first ``serve_prompts`` prompts decoded by
   ``adapter.generate`` (greedy, each checked against the stored AR response's prefix)."""
@@ -212,6 +273,7 @@ def run_serve(config, workdir: pathlib.Path) -> dict | None:
     outputs_equal_to_ar=equal,
     new_tokens=tokens,
     serve_seconds=adapter.serve_seconds,
+    feature_seconds=adapter.feature_seconds,
     update_seconds=update_s,
     updates=len(adapter.updates),
     tokens_per_s_serving=tokens / adapter.serve_seconds,
@@ -230,6 +292,11 @@ def run_render(config, workdir: pathlib.Path) -> dict:
   serve = (
     json.loads((workdir / 'serve.json').read_text()) if (workdir / 'serve.json').exists() else None
   )
+  bounds = [
+    json.loads((workdir / f'{name}_bounds.json').read_text())
+    for name, _, _ in config.streams
+    if (workdir / f'{name}_bounds.json').exists()
+  ]
   result = dict(
     provenance=dict(
       provenance.record(),
@@ -237,6 +304,7 @@ def run_render(config, workdir: pathlib.Path) -> dict:
       config=config.to_dict(),
     ),
     streams=[{k: v for k, v in s.items() if k != 'per_prompt'} for s in found],
+    bounds=bounds,
     serve=serve,
     devices=str(jax.devices()),
   )
@@ -261,7 +329,9 @@ def main(argv):
 
 def define_flags() -> None:
   """This task's command-line flags (the verb binary defines them before parsing)."""
-  config_flags.DEFINE_config_file('config', 'experiments/configs/online_smollm2.py', 'Config.')
+  config_flags.DEFINE_config_file(
+    'config', 'experiments/configs/evaluate/online_smollm2.py', 'Config.'
+  )
   flags.DEFINE_string('workdir', None, 'Where responses, streams and results go.')
   flags.DEFINE_string('stages', ','.join(STAGES), 'Comma-separated stages to run.')
   flags.mark_flags_as_required(['workdir'])

@@ -1,6 +1,6 @@
 """The public benchmark table: greedy responses to public prompt sets, every head walked along them.
 
-  python -m experiments.evaluate --config=experiments/configs/evaluate_smollm2.py \
+  python -m experiments.evaluate --config=experiments/configs/evaluate/public_smollm2.py \
       --workdir=benchmarks/public [--stages=responses,walk,render]
 
 ``responses``: the target's greedy responses (``WORKDIR/responses.jsonl``), generated a batch at
@@ -341,7 +341,9 @@ def main(argv):
 
 def define_flags() -> None:
   """This task's command-line flags (the verb binary defines them before parsing)."""
-  config_flags.DEFINE_config_file('config', 'experiments/configs/evaluate_smollm2.py', 'Config.')
+  config_flags.DEFINE_config_file(
+    'config', 'experiments/configs/evaluate/public_smollm2.py', 'Config.'
+  )
   flags.DEFINE_string('workdir', None, 'Where responses, walks and results go.')
   flags.DEFINE_string('stages', ','.join(STAGES), 'Comma-separated stages to run.')
   flags.DEFINE_string(

@@ -1,6 +1,6 @@
 """Accelerator benchmark: each part of a JetSpec round, and a whole round, vs the weight-read limit.
 
-  python -m experiments.microbench --config=experiments/configs/accel.py:qwen3_8b \
+  python -m experiments.microbench --config=experiments/configs/microbench/accel.py:qwen3_8b \
       --workdir=benchmarks
 
 At batch 1 a target step cannot beat reading every weight once: ``limit = parameter bytes /
@@ -274,6 +274,8 @@ def main(argv):
 
 def define_flags() -> None:
   """This task's command-line flags (the verb binary defines them before parsing)."""
-  config_flags.DEFINE_config_file('config', 'experiments/configs/accel.py', 'Benchmark config.')
+  config_flags.DEFINE_config_file(
+    'config', 'experiments/configs/microbench/accel.py', 'Benchmark config.'
+  )
   flags.DEFINE_string('workdir', 'benchmarks', 'Where the JSON and table go.')
   flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')

@@ -1,6 +1,6 @@
 """Trains a JetSpec draft head by self-distillation.
 
-  python -m experiments.train --config=experiments/configs/draft_tiny.py --workdir=DIR
+  python -m experiments.train --config=experiments/configs/train/draft_tiny.py --workdir=DIR
 
 Generates the self-distilled data when the data directory is empty, trains with checkpoints
 (re-running the same command resumes), exports the head to DIR/export in the released layout and
@@ -24,7 +24,9 @@ def main(argv):
 
 def define_flags() -> None:
   """This task's command-line flags (the verb binary defines them before parsing)."""
-  config_flags.DEFINE_config_file('config', 'experiments/configs/draft_tiny.py', 'Training config.')
+  config_flags.DEFINE_config_file(
+    'config', 'experiments/configs/train/draft_tiny.py', 'Training config.'
+  )
   flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and the exported head.')
   flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')
   flags.mark_flags_as_required(['workdir'])

@@ -1,6 +1,7 @@
 """Trains the embedded default's target (and its tokenizer) from scratch; resumable.
 
-  python -m experiments.train --task=target --config=experiments/configs/target_code_small.py \
+  python -m experiments.train --task=target \
+      --config=experiments/configs/train/target_code_small.py \
       --workdir=runs/target_code_small
 """
 
@@ -22,7 +23,7 @@ def main(argv):
 def define_flags() -> None:
   """This task's command-line flags (the verb binary defines them before parsing)."""
   config_flags.DEFINE_config_file(
-    'config', 'experiments/configs/target_code_small.py', 'Target config.'
+    'config', 'experiments/configs/train/target_code_small.py', 'Target config.'
   )
   flags.DEFINE_string('workdir', None, 'Checkpoints, tokenizer, metrics and export.')
   flags.mark_flags_as_required(['workdir'])

@@ -1,6 +1,7 @@
 """Draft-head training throughput: block slots per second of the jitted train step.
 
-  python -m experiments.microbench --task=training --config=experiments/configs/draft_smollm2.py \
+  python -m experiments.microbench --task=training \
+      --config=experiments/configs/train/draft_smollm2.py \
       --variants=full,vocab99 --out=benchmarks/training_throughput_smollm2.json
 
 Batches are real sequences of the configured data (tokens, masks, lengths) with stored-feature
@@ -132,4 +133,6 @@ def define_flags() -> None:
   flags.DEFINE_integer('steps', 5, 'Timed steps per variant.')
   flags.DEFINE_integer('warmup', 1, 'Untimed steps after the compile.')
   flags.DEFINE_string('out', None, 'Write the results here as JSON.')
-  config_flags.DEFINE_config_file('config', 'experiments/configs/draft_smollm2.py', 'Head config.')
+  config_flags.DEFINE_config_file(
+    'config', 'experiments/configs/train/draft_smollm2.py', 'Head config.'
+  )

@@ -326,6 +326,17 @@ def data_sizes(records: dict[str, dict], arg: str | None) -> str:
   return '\n'.join(lines) + '\n'
 
 
+def _feature_share(serve: dict) -> str:
+  """The buffer's teacher-forced forwards against decoding, where the serve record has them."""
+  if serve.get('feature_seconds') is None:
+    return ''
+  share = serve['feature_seconds'] / serve['serve_seconds']
+  return (
+    f'; the teacher-forced forwards that give the buffer its features took '
+    f'{serve["feature_seconds"]:.1f} s ({share:.0%} of decoding)'
+  )
+
+
 def online(records: dict[str, dict], arg: str | None) -> str:
   """Online adaptation per stream: tau on the second half (never adapted on) with the frozen
   and the adapted head, per method; the updates kept and their cost."""
@@ -355,8 +366,8 @@ def online(records: dict[str, dict], arg: str | None) -> str:
       f'{serve["max_new_tokens"]} new tokens): {serve["tokens_per_s_serving"]:.1f} tokens/s '
       f'decoding, {serve["tokens_per_s_with_updates"]:.1f} counting the '
       f'updates ({serve["updates"]}: {serve["update_seconds"]:.0f} s against '
-      f'{serve["serve_seconds"]:.0f} s of decoding); outputs equal to AR: '
-      f'{serve["outputs_equal_to_ar"]} of {serve["prompts"]}.',
+      f'{serve["serve_seconds"]:.0f} s of decoding){_feature_share(serve)}; outputs equal to '
+      f'AR: {serve["outputs_equal_to_ar"]} of {serve["prompts"]}.',
     ]
   prov = result['provenance']
   lines += [
@@ -383,8 +394,31 @@ def online_curve(records: dict[str, dict], arg: str | None) -> str:
   return '\n'.join(lines) + '\n'
 
 
+def online_bounds(records: dict[str, dict], arg: str | None) -> str:
+  """What adapting harder gives: second-half tau of the frozen head, the online adapter, and a
+  head trained at once (no rollback) on the first half or on the second half itself."""
+  ((source, result),) = records.items()
+  bounds = result.get('bounds') or []
+  if not bounds:
+    return 'No bounds measured.\n'
+  steps = bounds[0]['rows'][0]['steps']
+  lines = [
+    f'| stream ({bounds[0]["label"]}) | frozen | online | first half, {steps} steps at once | '
+    f'second half itself, {steps} steps (oracle) |',
+    '|---|---|---|---|---|',
+  ]
+  for b in bounds:
+    by = {r['trained_on']: r['tau'] for r in b['rows']}
+    frozen = b['frozen_tau']
+    cells = [b['online_tau'], by['first half'], by['second half']]
+    gains = [f'{c:.2f} ({c - frozen:+.2f})' for c in cells]
+    lines.append(f'| {b["stream"]} | {frozen:.2f} | ' + ' | '.join(gains) + ' |')
+  return '\n'.join(lines) + '\n'
+
+
 RENDERERS = dict(
   online=online,
+  online_bounds=online_bounds,
   online_curve=online_curve,
   data_sizes=data_sizes,
   accel=accel,

@@ -23,19 +23,10 @@ import numpy as np
 from absl import logging
 
 from jetspec_jax import corpus
-from jetspec_jax import tokenizer as tokenizer_lib
-from jetspec_jax.models import decoder, model_cache
+from jetspec_jax.models import decoder
 from jetspec_jax.training import chat_prompts
 from jetspec_jax.training import data as data_lib
 from jetspec_jax.training import shards as shards_lib
-
-
-def tokenizer_for(target_config):
-  """The target's own tokenizer: from ``target.path`` (GGUF or HF dir), else the packaged
-  SmolLM2's (``preset='smollm2_135m_instruct'``)."""
-  if target_config.get('path'):
-    return tokenizer_lib.load_tokenizer(target_config.path)
-  return tokenizer_lib.load_tokenizer(model_cache.resolve_model_path(target_config.preset))
 
 
 def eval_chat_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:

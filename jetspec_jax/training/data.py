@@ -12,10 +12,8 @@ from absl import logging
 from etils import epath
 from tqdm import tqdm
 
-from jetspec_jax import decoding, sharding
+from jetspec_jax import decoding
 from jetspec_jax.models import decoder
-from jetspec_jax.tokenizer import Tokenizer
-from jetspec_jax.training import prompt_io
 from jetspec_jax.training import shards as shards_lib
 
 
@@ -54,7 +52,7 @@ def generate_dataset(
     eos: stop token id or ids (defaults to the target's).
     shard_indices: generate only these shards (default: all). With several processes
       (multi-host), process ``i`` of ``n`` writes shards ``i, i + n, ...`` of those, on its own
-      devices; callers wait for the others (:func:`generate_from_config` does).
+      devices; callers wait for the others (:func:`run_config.generate_data` does).
       Processes started side by side on one directory claim shards as they go
       (:class:`shards_lib.ShardClaim`): each shard is written once, by the process that claimed it.
     wait: return only once every shard of this process's share exists, the ones other
@@ -193,40 +191,3 @@ def generate_greedy_and_sampled(
       )
     logging.info('shard %d of %d done', shard + 1, max(num_shards.values()))
   return {f'{k}_prompts': len(p) for k, (p, _) in kinds.items()}
-
-
-def generate_from_config(
-  config,
-  target: decoder.Target,
-  data_dir,
-  load_tokenizer: Callable[[], Tokenizer] | None = None,
-  *,
-  prompts: Sequence[np.ndarray] | None = None,
-  eos=None,
-) -> list[epath.Path]:
-  """:func:`generate_dataset` with the prompts and settings of an experiment config.
-
-  With ``data.sampled_every`` set, the responses are split greedy / sampled
-  (:func:`generate_greedy_and_sampled`). Text and conversation prompts use the target's
-  tokenizer (``load_tokenizer``), whose end-of-turn ids also stop the responses
-  (:func:`prompt_io.prompts_and_stops`; or pass ``prompts`` and ``eos`` already read).
-  """
-  if prompts is None:
-    prompts, eos = prompt_io.prompts_and_stops(config.data, target.cfg.vocab_size, load_tokenizer)
-  if config.data.get('sampled_every'):
-    generate_greedy_and_sampled(target, prompts, data_dir, config.data, seed=config.seed, eos=eos)
-  else:
-    generate_dataset(
-      target,
-      prompts,
-      data_dir,
-      max_len=config.data.max_len,
-      max_new_tokens=config.data.max_new_tokens,
-      shard_size=config.data.shard_size,
-      batch_size=config.data.generate_batch,
-      temperature=config.data.temperature,
-      seed=config.seed,
-      eos=eos,
-    )
-  sharding.sync('data generated')  # every host's shards are written
-  return shards_lib.shard_paths(data_dir)

@@ -3,7 +3,6 @@ resolves the config (``run_config``), builds or reads the data and its feature c
 head (``head_step``, ``head_sums``) with checkpoints, evaluates it and exports it."""
 
 import dataclasses
-import functools
 import json
 
 import jax
@@ -15,8 +14,7 @@ from etils import epath
 from jetspec_jax import decoding, methods, sharding
 from jetspec_jax.models import draft_head as dh
 from jetspec_jax.models import head_io
-from jetspec_jax.training import chat_data, copy_baseline, head_step, prompt_io, run_config
-from jetspec_jax.training import data as data_lib
+from jetspec_jax.training import chat_data, copy_baseline, head_step, run_config
 from jetspec_jax.training import shards as shards_lib
 from jetspec_jax.training.loop import (
   make_optimizer,
@@ -46,12 +44,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
   head_cfg = run_config.head_config(config.head, target.cfg)
   data_dir = epath.Path(config.data.dir or workdir_path / 'data')
   if config.data.prompts == 'chat_mix':  # made by experiments/tasks/generate_data.py (2 stages)
-    prompts = chat_data.eval_chat_prompts(chat_data.tokenizer_for(config.target))
+    prompts = chat_data.eval_chat_prompts(run_config.tokenizer_for(config.target))
   else:
-    load_tokenizer = functools.partial(chat_data.tokenizer_for, config.target)
-    prompts, eos = prompt_io.prompts_and_stops(config.data, target.cfg.vocab_size, load_tokenizer)
+    prompts, eos = run_config.training_prompts(config, target.cfg.vocab_size)
     if not shards_lib.shard_paths(data_dir) or config.data.regenerate_missing:
-      data_lib.generate_from_config(config, local_target, data_dir, prompts=prompts, eos=eos)
+      run_config.generate_data(config, local_target, data_dir, prompts=prompts, eos=eos)
   features_dir = config.data.get('features_dir') or None
   target_labels = config.train.get('labels', 'data') == 'target_argmax'
   heldout_shards = config.eval.get('heldout_shards', 0)

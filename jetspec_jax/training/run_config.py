@@ -1,6 +1,12 @@
-"""A head-training config resolved once into typed values: the target and its dtype, the head's
-config against the target, the step settings, the mesh, the held-out batch, the feature cache;
-and the checks that run before any long stage starts."""
+"""A head-training config resolved once into typed values: the target, its tokenizer and dtype,
+the head's config against the target, the training prompts, the step settings, the mesh, the
+held-out batch, the feature cache; the data generation a config asks for; and the checks that run
+before any long stage starts. The rest of the training package takes these values, not the config
+(the prompt readers of :mod:`prompt_io` and the chat-data plan of :mod:`chat_data` read their own
+``data`` block)."""
+
+import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +14,12 @@ import numpy as np
 from etils import epath
 
 from jetspec_jax import methods, sharding
+from jetspec_jax import tokenizer as tokenizer_lib
 from jetspec_jax.models import decoder, hf_io, matmul, model_cache
 from jetspec_jax.models import draft_head as dh
+from jetspec_jax.training import data as data_lib
 from jetspec_jax.training import features as features_lib
-from jetspec_jax.training import head_sums, losses
+from jetspec_jax.training import head_sums, losses, prompt_io
 from jetspec_jax.training import shards as shards_lib
 
 TARGET_DTYPES = ('auto', 'float32', 'bfloat16')
@@ -253,3 +261,55 @@ def first_response_tokens(batch: dict, n: int) -> dict:
   mask = np.asarray(batch['loss_mask'])
   kept = mask * (np.cumsum(mask > 0, axis=1) <= n)
   return dict(batch, loss_mask=kept.astype(mask.dtype))
+
+
+def tokenizer_for(target_config) -> tokenizer_lib.Tokenizer:
+  """The target's own tokenizer: from ``target.path`` (GGUF or HF dir), else the packaged
+  SmolLM2's (``preset='smollm2_135m_instruct'``)."""
+  if target_config.get('path'):
+    return tokenizer_lib.load_tokenizer(target_config.path)
+  return tokenizer_lib.load_tokenizer(model_cache.resolve_model_path(target_config.preset))
+
+
+def training_prompts(config, vocab_size: int) -> tuple[list[np.ndarray], tuple[int, ...] | None]:
+  """The config's training prompts and the ids that stop their responses
+  (:func:`prompt_io.prompts_and_stops` with the target's tokenizer, loaded only if needed)."""
+  load = functools.partial(tokenizer_for, config.target)
+  return prompt_io.prompts_and_stops(config.data, vocab_size, load)
+
+
+def generate_data(
+  config,
+  target: decoder.Target,
+  data_dir,
+  *,
+  prompts: Sequence[np.ndarray] | None = None,
+  eos=None,
+) -> list[epath.Path]:
+  """The self-distilled data a config asks for (:mod:`jetspec_jax.training.data`).
+
+  With ``data.sampled_every`` set, the responses are split greedy / sampled
+  (:func:`data_lib.generate_greedy_and_sampled`). ``prompts`` and ``eos`` default to
+  :func:`training_prompts`.
+  """
+  if prompts is None:
+    prompts, eos = training_prompts(config, target.cfg.vocab_size)
+  if config.data.get('sampled_every'):
+    data_lib.generate_greedy_and_sampled(
+      target, prompts, data_dir, config.data, seed=config.seed, eos=eos
+    )
+  else:
+    data_lib.generate_dataset(
+      target,
+      prompts,
+      data_dir,
+      max_len=config.data.max_len,
+      max_new_tokens=config.data.max_new_tokens,
+      shard_size=config.data.shard_size,
+      batch_size=config.data.generate_batch,
+      temperature=config.data.temperature,
+      seed=config.seed,
+      eos=eos,
+    )
+  sharding.sync('data generated')  # every host's shards are written
+  return shards_lib.shard_paths(data_dir)

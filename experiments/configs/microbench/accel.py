@@ -1,11 +1,11 @@
 """Where a JetSpec round's time goes, against the weight-read limit (one device, batch 1).
 
 Run on an accelerator (random bf16 weights; nothing to download):
-  python -m experiments.microbench --config=experiments/configs/accel.py:qwen3_8b \
+  python -m experiments.microbench --config=experiments/configs/microbench/accel.py:qwen3_8b \
       --workdir=benchmarks
 Other args: ``qwen3_30b_a3b``; ``tiny`` is the CPU smoke run CI executes. On a CPU (float32,
 XLA attention; each part also as a multiple of one decode step, plus the Qwen3-8B prefill memory):
-  python -m experiments.microbench --config=experiments/configs/accel.py:smollm2_135m \
+  python -m experiments.microbench --config=experiments/configs/microbench/accel.py:smollm2_135m \
       --workdir=benchmarks
   (and ``:qwen3_0_6b``).
 Result: no accelerator run recorded yet. CPU (2 cores, float32;

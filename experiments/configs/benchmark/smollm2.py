@@ -4,7 +4,7 @@ on held-out chat-formatted prompts in three groups (code: HumanEval as a request
 prompts, stopping at the tokenizer's stop ids; settings interleaved prompt by prompt; transformers'
 own ``generate`` (greedy and prompt lookup) on the same file as the peer.
 
-  python -m experiments.benchmark --config=experiments/configs/benchmark_smollm2.py[:preset] \
+  python -m experiments.benchmark --config=experiments/configs/benchmark/smollm2.py[:preset] \
       --workdir=runs/benchmark_<preset>
 
 Presets: none (the shipped JetSpec and DFlash-style heads, chains and best_first trees of 8 and 16

@@ -1,11 +1,12 @@
 """Tree-attention kernel benchmark: Pallas kernel vs the XLA dense-mask path.
 
 Run (GPU or TPU, the platform's kernel; Qwen3-8B attention shapes, bf16):
-  python -m experiments.microbench --task=kernel --config=experiments/configs/tree_attention.py \
+  python -m experiments.microbench --task=kernel \
+      --config=experiments/configs/microbench/tree_attention.py \
       --workdir=benchmarks
 CPU smoke run (interpret mode, tiny shapes; what CI runs):
   python -m experiments.microbench --task=kernel \
-      --config=experiments/configs/tree_attention.py:tiny --workdir=/tmp/bench
+      --config=experiments/configs/microbench/tree_attention.py:tiny --workdir=/tmp/bench
 No accelerator run is recorded in the repository yet.
 """
 

@@ -3,7 +3,8 @@ with the JetSpec head trained here, on held-out chat-formatted code and chat pro
 
 Run:
   make demo          # == .venv/bin/python -m experiments.demo
-The small stdlib code model and its head: ``--config=experiments/configs/demo.py:code_small``;
+The small stdlib code model and its head:
+``--config=experiments/configs/demo/main_job.py:code_small``;
 smoke run (CI): ``:tiny`` (the code model, a few tokens).
 """
 

@@ -4,14 +4,14 @@ DSpark, one recipe.
 Data (once, shared by every head; resumable; hours on 2 CPU cores). The token shards are committed
 (``data/smollm2_135m/``, its card says what they hold); the target features are a cache outside
 the repository, rebuilt from the tokens the first time a head trains (``data.features_dir``):
-  python -m experiments.data --config=experiments/configs/draft_smollm2.py \
+  python -m experiments.data --config=experiments/configs/train/draft_smollm2.py \
       --workdir=data/smollm2_135m
 Heads: the presets ``jetspec``, ``dflash``, ``jetspecpp`` and ``dspark`` train on prompt round 0
 (1,600 steps); ``<head>_shipped`` continues from that head's export for 1,500 steps on rounds
 0-2, the shipped heads' recipe (their cards: assets/<head>_head_smollm2_135m/README.md):
-  python -m experiments.train --config=experiments/configs/draft_smollm2.py:jetspec \
+  python -m experiments.train --config=experiments/configs/train/draft_smollm2.py:jetspec \
       --workdir=runs/jetspec
-  python -m experiments.train --config=experiments/configs/draft_smollm2.py:jetspec_shipped \
+  python -m experiments.train --config=experiments/configs/train/draft_smollm2.py:jetspec_shipped \
       --workdir=runs/jetspec_shipped
 ``public_chat`` is the data of prompts people send (data/public_chat/README.md).
 
@@ -24,7 +24,7 @@ target's own: greedy, and sampled at T=1 for every 4th prompt.
 
 import ml_collections
 
-from experiments.configs import draft_tiny
+from experiments.configs.train import draft_tiny
 from jetspec_jax import corpus
 from jetspec_jax.models import model_cache
 

@@ -1,11 +1,11 @@
 """The embedded default's two heads: JetSpec (causal) and DFlash-style (bidirectional).
 
-Run (after experiments/configs/target_code_small.py has produced assets/target_code_small):
-  python -m experiments.data --config=experiments/configs/draft_code_small.py:jetspec \
+Run (after experiments/configs/train/target_code_small.py has produced assets/target_code_small):
+  python -m experiments.data --config=experiments/configs/train/draft_code_small.py:jetspec \
       --workdir=runs/heads_data
-  python -m experiments.train --config=experiments/configs/draft_code_small.py:jetspec \
+  python -m experiments.train --config=experiments/configs/train/draft_code_small.py:jetspec \
       --config.data.dir=runs/heads_data/data --workdir=runs/jetspec_head
-  python -m experiments.train --config=experiments/configs/draft_code_small.py:dflash \
+  python -m experiments.train --config=experiments/configs/train/draft_code_small.py:dflash \
       --config.data.dir=runs/heads_data/data --workdir=runs/dflash_head
   cp runs/jetspec_head/export/* assets/jetspec_head_code_small/
   cp runs/dflash_head/export/* assets/dflash_head_code_small/
@@ -16,7 +16,7 @@ modules or HumanEval); 500 steps each. Their cards: assets/{jetspec,dflash}_head
 
 import ml_collections
 
-from experiments.configs import draft_tiny
+from experiments.configs.train import draft_tiny
 from jetspec_jax import corpus
 
 

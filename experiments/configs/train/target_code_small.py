@@ -1,10 +1,11 @@
 """A small Qwen3-architecture code model trained from scratch on the Python standard library.
 
 Run (resumable; re-run the same command after an interruption):
-  python -m experiments.train --task=target --config=experiments/configs/target_code_small.py \
+  python -m experiments.train --task=target \
+      --config=experiments/configs/train/target_code_small.py \
       --workdir=runs/target_code_small
   cp -r runs/target_code_small/export/. assets/target_code_small/
-Tiny smoke run (what CI runs): ``--config=experiments/configs/target_code_small.py:tiny``.
+Tiny smoke run (what CI runs): ``--config=experiments/configs/train/target_code_small.py:tiny``.
 
 Held-out modules (validation): see ``validation_modules``. The committed model's card:
 assets/target_code_small/README.md.

@@ -1,8 +1,9 @@
 """Benchmark of the embedded default: ar vs chain vs tree, both heads, several budgets.
 
 Run (the README's table):
-  python -m experiments.benchmark --config=experiments/configs/benchmark.py --workdir=benchmarks
-Smoke run (CI): ``--config=experiments/configs/benchmark.py:tiny``.
+  python -m experiments.benchmark --config=experiments/configs/benchmark/code_small.py \
+      --workdir=benchmarks
+Smoke run (CI): ``--config=experiments/configs/benchmark/code_small.py:tiny``.
 """
 
 import ml_collections

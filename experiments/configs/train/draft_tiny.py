@@ -1,8 +1,8 @@
 """Train a tiny JetSpec head on a tiny random target's own (self-distilled) outputs.
 
 Run:
-  python -m experiments.train --config=experiments/configs/draft_tiny.py --workdir=/tmp/draft
-  python -m experiments.train --config=experiments/configs/draft_tiny.py:runlocal \
+  python -m experiments.train --config=experiments/configs/train/draft_tiny.py --workdir=/tmp/draft
+  python -m experiments.train --config=experiments/configs/train/draft_tiny.py:runlocal \
       --workdir=/tmp/draft_local       # smaller; what the test suite runs
 `result.json` in the workdir records tau before and after training.
 """

@@ -1,6 +1,6 @@
 """The public benchmark table of SmolLM2-135M-Instruct and its shipped heads (docs/results.md).
 
-  python -m experiments.evaluate --config=experiments/configs/evaluate_smollm2.py \
+  python -m experiments.evaluate --config=experiments/configs/evaluate/public_smollm2.py \
       --workdir=benchmarks/public
 
 Greedy responses of the target to the public prompt sets (jetspec_jax/evaluation/prompt_sets.py)

@@ -2,10 +2,10 @@
 
 Run (8 chips: tensor parallel over all of them, ``mesh.model``; per-device memory in the
 README's table, ``experiments/tasks/memory_plan.py``):
-  python -m experiments.data --config=experiments/configs/draft_qwen3_8b.py \
+  python -m experiments.data --config=experiments/configs/train/draft_qwen3_8b.py \
       --config.target.path=/ckpt/Qwen3-8B --config.data.prompts=/data/prompts.jsonl \
       --workdir=/runs/jetspec-8b
-  python -m experiments.train --config=experiments/configs/draft_qwen3_8b.py \
+  python -m experiments.train --config=experiments/configs/train/draft_qwen3_8b.py \
       --config.target.path=/ckpt/Qwen3-8B --config.data.prompts=/data/prompts.jsonl \
       --workdir=/runs/jetspec-8b
 
@@ -23,7 +23,7 @@ path.
 
 import ml_collections
 
-from experiments.configs import draft_tiny
+from experiments.configs.train import draft_tiny
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -1,6 +1,7 @@
 """Online adaptation of the shipped JetSpec head on public prompt streams (docs/training.md §9).
 
-  python -m experiments.evaluate --task=online --config=experiments/configs/online_smollm2.py \
+  python -m experiments.evaluate --task=online \
+      --config=experiments/configs/evaluate/online_smollm2.py \
       --workdir=benchmarks/online
 
 Each stream is a seeded sequence of public prompts (jetspec_jax/evaluation/prompt_sets.py). The
@@ -41,6 +42,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     {'name': 'tree', 'budget': 16, 'width': 7, 'algorithm': 'best_first'},
     {'name': 'tree', 'budget': 128, 'width': 7, 'algorithm': 'best_first'},
   ]
+  # The bounds stage: adapting harder on these streams (no rollback, bound_steps at once).
+  config.bound_streams = ['gsm8k', 'chat']
+  config.bound_steps = 256
   config.curve_method = 1  # the learning curve's method (index into methods): tree 16
   config.window = 16  # prompts per point of the learning curve
   config.online = ml_collections.ConfigDict(
@@ -82,6 +86,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.online.update(
       update_every=1, steps=2, batch_size=2, num_anchors=4, max_len=320, holdout_every=2
     )
+    config.bound_steps = 2
     config.serve_prompts = 2
     config.serve_max_new_tokens = 8
   return config
