@@ -179,6 +179,7 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       max_new_tokens=1024,
       max_len=3072,
       generate_batch=16,
+      shard_size=16,  # one batch a shard: the long job lands in small resumable pieces
     )
   if arg == 'tiny':  # a smoke test of the pipeline (tests)
     config.data.update(
