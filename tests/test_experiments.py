@@ -159,6 +159,28 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
   assert len(decode_benchmark.config_settings(sweep, kinds, temperature=0.0)) == 1 + 2 * (1 + 5 * 2)
 
 
+def test_public_prompt_groups_are_the_public_sets_in_the_chat_template():
+  """The ``public`` benchmark preset decodes seeded prompts of the public sets (docs/results.md),
+  each in the target's chat template: the same ids the public table's responses start from."""
+  from experiments.configs.benchmark import smollm2 as benchmark_smollm2
+  from jetspec_jax.evaluation import prompt_sets, responses
+
+  config = benchmark_smollm2.get_config('public')
+  config.public_sets = ('humaneval', 'mtbench')
+  config.num_per_group = 2
+  try:
+    tok = js.load_tokenizer(js.model_cache.smollm2_135m_instruct_path())
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  groups = decode_benchmark.load_prompt_groups(config, tok)
+  assert list(groups) == ['humaneval', 'mtbench'] and all(len(g) == 2 for g in groups.values())
+  drawn = prompt_sets.sample(prompt_sets.load('mtbench'), 2, config.seed)
+  assert [list(ids) for ids in groups['mtbench']] == [
+    list(responses.prompt_ids(tok, p)) for p in drawn
+  ]
+  assert tok.decode(groups['humaneval'][0]).count('def ') >= 1
+
+
 @pytest.mark.parametrize(
   'arg',
   [
@@ -173,6 +195,7 @@ def test_smollm2_benchmark_config_runs_copy_candidates_at_t0_only():
     'best_first_budgets',
     'compare',
     'quick',
+    'public',
   ],
 )
 def test_smollm2_benchmark_configs_name_settings_they_run(arg):

@@ -29,12 +29,21 @@ import jetspec_jax as js
 from experiments.tasks import bench, peers
 from jetspec_jax import corpus, sharding
 from jetspec_jax import prompts as prompts_lib
+from jetspec_jax.evaluation import prompt_sets, responses
 from jetspec_jax.training import chat_prompts
 
 
 def load_prompt_groups(config, tok) -> dict[str, list[np.ndarray]]:
-  """``{group: [prompt ids]}``: raw code prompts for a code model (``prompts='code'``), or the
-  held-out chat-formatted groups code / chat / math for an instruct model (``'chat'``)."""
+  """``{group: [prompt ids]}``: raw code prompts for a code model (``prompts='code'``), the
+  held-out chat-formatted groups code / chat / math for an instruct model (``'chat'``), or
+  ``num_per_group`` seeded prompts of each public set in ``public_sets`` in the target's chat
+  template (``'public'``: the sets of docs/results.md; MT-Bench's first turns)."""
+  if config.prompts == 'public':
+    groups = {}
+    for name in config.public_sets:
+      drawn = prompt_sets.sample(prompt_sets.load(name), config.num_per_group, config.seed)
+      groups[name] = [responses.prompt_ids(tok, p) for p in drawn]
+    return groups
   if config.prompts == 'chat':
     groups = chat_prompts.eval_prompt_groups(
       tok, num_code=config.num_per_group, num_math=config.num_per_group

@@ -13,7 +13,9 @@ nodes with and without 4 copy candidates, T=0 and T=1, batch 1 and 8, the peers)
 beside the JetSpec head); ``copy`` (copy candidates joined to trees, chains and JetSpec++ trees);
 ``groups`` (16 prompts per group); ``long`` (up to 256 new tokens), ``best_first`` and
 ``best_first_budgets`` (node-by-node trees of 6-16 nodes on long responses); ``compare`` (the
-shipped JetSpec head beside any export: ``--config.heads.other=runs/<run>/export``); ``quick``.
+shipped JetSpec head beside any export: ``--config.heads.other=runs/<run>/export``); ``public``
+(the public table's wall clock: 8 seeded prompts of each public set, 256 new tokens, the CPU
+settings against AR and the peers; with ``--task=bf16`` the bfloat16-weight targets); ``quick``.
 """
 
 import ml_collections
@@ -43,6 +45,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
   )
   config.prompts = 'chat'
+  config.public_sets = ('gsm8k', 'math500', 'aime2024', 'aime2025', 'humaneval', 'mbpp')
+  config.public_sets += ('mtbench', 'alpacaeval')
+  config.seed = 0  # the public prompts' draw
   config.num_per_group = 2
   config.stop_at_eos = True
   config.max_new_tokens = 48
@@ -160,6 +165,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     greedy_comparison(
       config, heads, num_per_group=4, budgets=(8, 16), tree_algorithm='best_first', copy_lens=(0, 4)
     )
+  if arg == 'public':  # the public table's wall clock (docs/results.md): the CPU settings
+    config.prompts = 'public'
+    config.num_per_group = 8
+    config.max_new_tokens = 256
+    config.heads = ml_collections.ConfigDict(dict(jetspec='assets/jetspec_head_smollm2_135m'))
+    config.budgets = (8, 16)
+    config.tree_algorithms = ('best_first',)
+    config.copy_lens = (0,)
+    config.temperatures = (0.0,)
   if arg == 'quick':  # tau / speedup of the settings that matter on a CPU, in minutes
     config.budgets = (8, 16, 32)
     config.tree_algorithms = ('accum_logp',)
