@@ -48,6 +48,7 @@ BUFFER_FILE = 'buffer.npz'
 META_FILE = 'adapter.json'
 FEATURE_MODES = ('cache', 'recompute')
 SAMPLED_LOSSES = ('fkl', 'tvd')
+FEATURE_BUCKET = 128  # served sequences are padded to a multiple of it for their target forward
 
 
 class CheckpointError(ValueError):
@@ -314,8 +315,10 @@ class Adapter:
 
   def _features(self, tokens: np.ndarray) -> np.ndarray:
     """The target's taps and final hidden state at every position (one teacher-forced forward
-    of the padded sequence), float16, as offline training stores them."""
-    padded = np.zeros((1, self.config.max_len), np.int32)
+    of the sequence padded to a multiple of ``FEATURE_BUCKET``: one compile per bucket, no
+    forward over ``max_len``), float16, as offline training stores them."""
+    size = min(-(-tokens.size // FEATURE_BUCKET) * FEATURE_BUCKET, self.config.max_len)
+    padded = np.zeros((1, size), np.int32)
     padded[0, : tokens.size] = tokens
     hidden, feats = _target_pass(self.target, jnp.asarray(padded), self.head.cfg.target_layer_ids)
     both = jnp.concatenate([feats, hidden], axis=-1)[0, : tokens.size]
