@@ -194,11 +194,7 @@ def run_bound(config, workdir: pathlib.Path, name: str, prompts, target, tok, he
   stored = responses.read(workdir / 'responses.jsonl')
   method = _methods(config)[config.curve_method]
   half = len(prompts) // 2
-  second = [
-    (responses.prompt_ids(tok, p), stored[p.benchmark, p.prompt_id]) for p in prompts[half:]
-  ]
-  frozen = json.loads((workdir / f'{name}.json').read_text())
-  rows = []
+  trained = {}
   for trained_on, part in (('first half', prompts[:half]), ('second half', prompts[half:])):
     settings = dict(
       config.online.to_dict(),
@@ -210,21 +206,30 @@ def run_bound(config, workdir: pathlib.Path, name: str, prompts, target, tok, he
     adapter = online.Adapter(target, head, method, online.OnlineConfig(**settings))
     for p in part:
       adapter.observe(responses.prompt_ids(tok, p), stored[p.benchmark, p.prompt_id]['response'])
-    walks = [
-      tree_walk.walks(target, adapter.head, ids, rec['response'], [method])[0][0]
-      for ids, rec in second
-    ]
+    trained[trained_on] = adapter
+  # Each second-half sequence's features once, walked with both trained heads.
+  walks = {trained_on: [] for trained_on in trained}
+  taps = tuple(head.cfg.target_layer_ids)
+  for p in prompts[half:]:
+    ids, response = responses.prompt_ids(tok, p), stored[p.benchmark, p.prompt_id]['response']
+    features, _ = tree_walk.teacher_forced(target, ids, response, taps)
+    for trained_on, adapter in trained.items():
+      (w,), _ = tree_walk.walks(target, adapter.head, ids, response, [method], features=features)
+      walks[trained_on].append(w)
+  rows = []
+  for trained_on, adapter in trained.items():
+    update = adapter.updates[-1]
     rows.append(
       dict(
         trained_on=trained_on,
         steps=config.bound_steps,
-        loss=adapter.updates[-1]['loss'],
-        update_seconds=adapter.updates[-1]['seconds'],
-        tau=_pooled(walks),
+        loss=update['loss'],
+        update_seconds=update['seconds'],
+        tau=_pooled(walks[trained_on]),
       )
     )
     logging.info('%s bound, %s: %s', name, trained_on, rows[-1])
-  curve_row = frozen['rows'][config.curve_method]
+  curve_row = json.loads((workdir / f'{name}.json').read_text())['rows'][config.curve_method]
   result = dict(
     stream=name,
     method=method.to_config(),
