@@ -394,31 +394,8 @@ def online_curve(records: dict[str, dict], arg: str | None) -> str:
   return '\n'.join(lines) + '\n'
 
 
-def online_bounds(records: dict[str, dict], arg: str | None) -> str:
-  """What adapting harder gives: second-half tau of the frozen head, the online adapter, and a
-  head trained at once (no rollback) on the first half or on the second half itself."""
-  ((source, result),) = records.items()
-  bounds = result.get('bounds') or []
-  if not bounds:
-    return 'No bounds measured.\n'
-  steps = bounds[0]['rows'][0]['steps']
-  lines = [
-    f'| stream ({bounds[0]["label"]}) | frozen | online | first half, {steps} steps at once | '
-    f'second half itself, {steps} steps (oracle) |',
-    '|---|---|---|---|---|',
-  ]
-  for b in bounds:
-    by = {r['trained_on']: r['tau'] for r in b['rows']}
-    frozen = b['frozen_tau']
-    cells = [b['online_tau'], by['first half'], by['second half']]
-    gains = [f'{c:.2f} ({c - frozen:+.2f})' for c in cells]
-    lines.append(f'| {b["stream"]} | {frozen:.2f} | ' + ' | '.join(gains) + ' |')
-  return '\n'.join(lines) + '\n'
-
-
 RENDERERS = dict(
   online=online,
-  online_bounds=online_bounds,
   online_curve=online_curve,
   data_sizes=data_sizes,
   accel=accel,
