@@ -101,7 +101,105 @@ def padded(x: np.ndarray, size: int) -> np.ndarray:
   return np.pad(x, [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
-@functools.partial(jax.jit, static_argnames=('settings', 'dspark', 'chunk'))
+def _chunked(x, chunk: int):
+  """``[L, ...]`` -> ``[L / chunk, chunk, ...]`` (zero-padded)."""
+  pad = -x.shape[0] % chunk
+  return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape((-1, chunk) + x.shape[1:])
+
+
+def _unchunked(x, seq_len: int):
+  """``[chunks, rows, chunk]`` -> ``[rows, L]``."""
+  return jnp.moveaxis(x, 1, 0).reshape(x.shape[1], x.shape[0] * x.shape[2])[:, :seq_len]
+
+
+def _anchor_state(tokens, pos):
+  """The round state a tree drafted at anchors ``pos`` of the stored sequence sees."""
+  return types.SimpleNamespace(
+    history=jnp.broadcast_to(tokens.astype(jnp.int32), (pos.shape[0], tokens.shape[0])),
+    cache=types.SimpleNamespace(lengths=pos),
+    anchor=tokens[pos].astype(jnp.int32),
+  )
+
+
+def _next_tokens(tokens):
+  """The target's choice after a node at depth d of the round anchored at p: x[p + d + 1]."""
+  return jnp.concatenate([tokens[1:], jnp.zeros((1,), tokens.dtype)]).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=('priors', 'width', 'dspark', 'chunk'))
+def draft_at_anchors(
+  head: dh.DraftHead,
+  target,
+  tokens,
+  loss_mask,
+  length,
+  features,
+  priors: tuple = (),
+  width: int = 1,
+  dspark: tuple = (),
+  chunk: int = 16,
+):
+  """The head's drafts at every anchor of one stored sequence, from one pass of the head.
+
+  Returns:
+    (``{copy_prior: (ids, logprobs)}`` each ``[L, D, width]``, the tree candidates of every
+    anchor; ``int32[len(dspark), L]`` the drafts DSpark's threshold rule accepts at each anchor).
+  """
+  cfg = head.cfg
+  seq_len = tokens.shape[0]
+  blk, _ = blocks_lib.every_anchor_blocks(cfg, tokens, loss_mask, length)
+  anchors = jnp.arange(seq_len, dtype=jnp.int32)
+  compute_dtype = matmul.resolve(head.compute_dtype)  # drafting's own precision (decode's too)
+  context_kv = head_sums.head_context_kv(head.params, cfg, features, compute_dtype)
+  nxt = _next_tokens(tokens)
+
+  def one_chunk(args):
+    b, pos = args
+    out = head_sums.head_blocks_on_context(
+      head.params, cfg, target, context_kv, b, features.dtype, compute_dtype
+    )
+    state = _anchor_state(tokens, pos)
+    candidates = {}
+    if priors:
+      draft_logits = head.vocab_logits(target, out[:, 1:])
+      for prior in priors:
+        merge = types.SimpleNamespace(copy_prior=prior, width=width)
+        candidates[prior] = tree_method.tree_candidates(draft_logits, state, merge)
+    rows = []
+    for s in dspark:
+      draft = dspark_lib.draft_chain(head, target, out, state.anchor, jax.random.key(0), 0.0)
+      lengths = dspark_lib.threshold_lengths(draft.confidence, s.threshold)
+      depth = jnp.arange(draft.tokens.shape[1])
+      right = draft.tokens == nxt[jnp.clip(pos[:, None] + depth, 0, seq_len - 1)]
+      run = jnp.sum(jnp.cumprod(right, axis=1), axis=1)
+      rows.append(jnp.minimum(run, lengths))
+    return candidates, jnp.stack(rows) if rows else jnp.zeros((0, chunk), jnp.int32)
+
+  grouped = jax.tree.map(lambda x: _chunked(x, chunk), (blk, anchors))
+  candidates, chains = jax.lax.map(one_chunk, grouped)
+  candidates = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:])[:seq_len], candidates)
+  return candidates, _unchunked(chains, seq_len)
+
+
+@functools.partial(jax.jit, static_argnames=('settings', 'max_depth', 'chunk'))
+def accepted_in_trees(tokens, ids, logprobs, settings, max_depth: int, chunk: int = 16):
+  """Drafts one tree setting accepts at every anchor ``int32[L]``, from the anchors' candidates
+  ``[L, D, width]`` (:func:`draft_at_anchors`)."""
+  seq_len = tokens.shape[0]
+  nxt = _next_tokens(tokens)
+  anchors = jnp.arange(seq_len, dtype=jnp.int32)
+
+  def one_chunk(args):
+    i, lp, pos = args
+    tree, _ = tree_method.build_tree(i, lp, _anchor_state(tokens, pos), settings)
+    anc = jax.vmap(lambda p: tree_lib.ancestor_mask(p, max_depth))(tree.parents)
+    choices = nxt[jnp.clip(pos[:, None] + tree.depths, 0, seq_len - 1)]
+    return verify_lib.accept(tree, anc, choices, max_depth).num_accepted
+
+  grouped = (_chunked(ids, chunk), _chunked(logprobs, chunk), _chunked(anchors, chunk))
+  return jax.lax.map(one_chunk, grouped).reshape(-1)[:seq_len]
+
+
 def accepted_at_anchors(
   head: dh.DraftHead,
   target,
@@ -116,6 +214,10 @@ def accepted_at_anchors(
   """Drafts accepted at every anchor of one stored sequence, per method: ``int32[len(settings)
   + len(dspark), L]`` (0 where ``p`` is no anchor).
 
+  The head runs once (:func:`draft_at_anchors`: every anchor's top candidates, at the widest
+  width of ``settings``); each tree is then built and accepted on its own
+  (:func:`accepted_in_trees`), a narrower tree reading the candidates' first columns.
+
   Args:
     tokens, loss_mask: ``[L]`` the stored sequence (prompt + greedy response) and its response
       mask; ``length``: its length.
@@ -125,56 +227,17 @@ def accepted_at_anchors(
       head).
   """
   cfg = head.cfg
-  seq_len = tokens.shape[0]
-  blk, valid = blocks_lib.every_anchor_blocks(cfg, tokens, loss_mask, length)
-  anchors = jnp.arange(seq_len, dtype=jnp.int32)
-  compute_dtype = matmul.resolve(head.compute_dtype)  # drafting's own precision (decode's too)
-  context_kv = head_sums.head_context_kv(head.params, cfg, features, compute_dtype)
-  pad = -seq_len % chunk
-  grouped = jax.tree.map(
-    lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape((-1, chunk) + x.shape[1:]),
-    (blk, anchors),
+  priors = tuple(dict.fromkeys(s.copy_prior for s in settings))
+  width = max((s.width for s in settings), default=1)
+  candidates, chains = draft_at_anchors(
+    head, target, tokens, loss_mask, length, features, priors, width, tuple(dspark), chunk
   )
-  # The target's choice after a node at depth d of the round anchored at p: x[p + d + 1].
-  nxt = jnp.concatenate([tokens[1:], jnp.zeros((1,), tokens.dtype)]).astype(jnp.int32)
-
-  def one_chunk(args):
-    b, pos = args
-    out = head_sums.head_blocks_on_context(
-      head.params, cfg, target, context_kv, b, features.dtype, compute_dtype
-    )
-    anchor = tokens[pos].astype(jnp.int32)
-    rows = []
-    if settings:
-      draft_logits = head.vocab_logits(target, out[:, 1:])
-      state = types.SimpleNamespace(
-        history=jnp.broadcast_to(tokens.astype(jnp.int32), (pos.shape[0], seq_len)),
-        cache=types.SimpleNamespace(lengths=pos),
-        anchor=anchor,
-      )
-      # One top-k per copy-prior setting, at the widest width: a narrower tree reads its first
-      # columns (the method's own candidates, tree_method.tree_candidates).
-      widest = max(s.width for s in settings)
-      candidates = {}
-      for s in settings:
-        if s.copy_prior not in candidates:
-          candidates[s.copy_prior] = tree_method.tree_candidates(draft_logits, state, s, widest)
-        tree, _ = tree_method.build_tree(*candidates[s.copy_prior], state, s)
-        anc = jax.vmap(lambda p: tree_lib.ancestor_mask(p, cfg.max_depth))(tree.parents)
-        choices = nxt[jnp.clip(pos[:, None] + tree.depths, 0, seq_len - 1)]
-        rows.append(verify_lib.accept(tree, anc, choices, cfg.max_depth).num_accepted)
-    for s in dspark:
-      draft = dspark_lib.draft_chain(head, target, out, anchor, jax.random.key(0), 0.0)
-      lengths = dspark_lib.threshold_lengths(draft.confidence, s.threshold)
-      depth = jnp.arange(draft.tokens.shape[1])
-      right = draft.tokens == nxt[jnp.clip(pos[:, None] + depth, 0, seq_len - 1)]
-      run = jnp.sum(jnp.cumprod(right, axis=1), axis=1)
-      rows.append(jnp.minimum(run, lengths))
-    return jnp.stack(rows)
-
-  accepted = jax.lax.map(one_chunk, grouped)  # [chunks, methods, chunk]
-  accepted = jnp.moveaxis(accepted, 1, 0).reshape(accepted.shape[1], -1)[:, :seq_len]
-  return jnp.where(valid[None], accepted, 0)
+  rows = [
+    accepted_in_trees(tokens, *candidates[s.copy_prior], s, cfg.max_depth, chunk) for s in settings
+  ]
+  rows.extend(chains)
+  valid = blocks_lib.valid_anchor_positions(loss_mask, length)
+  return jnp.where(valid[None], jnp.stack(rows), 0)
 
 
 @functools.partial(jax.jit, static_argnames=('taps',))
