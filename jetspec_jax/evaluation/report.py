@@ -69,7 +69,10 @@ def summarize(
     for key in ('prompts', 'new_tokens', 'stopped', 'walked', 'generate_s', 'walk_s', 'excluded'):
       s.setdefault(key, 0)
     s['prompts'] += 1
-    s['generate_s'] += r.get('batch_wall_s', 0.0) / r.get('batch_rows', batch_size)
+    if 'generate_s' in r:  # the response's own share of decoding (refilled rows)
+      s['generate_s'] += r['generate_s']
+    else:  # a whole batch's wall time, shared by its rows
+      s['generate_s'] += r.get('batch_wall_s', 0.0) / r.get('batch_rows', batch_size)
     s['new_tokens'] += len(r['response'])
     s['stopped'] += int(r['stopped'])
   cells = {}

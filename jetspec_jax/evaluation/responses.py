@@ -1,21 +1,20 @@
 """The target's greedy responses to public prompts, generated once and stored (JSON lines).
 
 Tau of greedy decoding is a property of (prompt, head, method, the target's greedy response):
-the response is generated here once per prompt by batched autoregressive decoding, and every
-head and tree setting is then walked along it (:mod:`jetspec_jax.evaluation.tree_walk`). A
-responses file holds one record per prompt, appended a batch at a time, so an interrupted run
-resumes where it stopped (records already there are skipped).
+the response is generated here once per prompt by batched autoregressive decoding (rows refilled
+as responses end, :mod:`jetspec_jax.evaluation.refill`), and every head and tree setting is then
+walked along it (:mod:`jetspec_jax.evaluation.tree_walk`). A responses file holds one record per
+prompt, appended as each response ends, so an interrupted run resumes where it stopped (records
+already there are skipped).
 """
 
 import hashlib
 import json
 import pathlib
-import time
 
 import numpy as np
 
-from jetspec_jax import decoding, methods
-from jetspec_jax.evaluation import prompt_sets
+from jetspec_jax.evaluation import prompt_sets, refill
 
 
 def ids_sha256(ids) -> str:
@@ -53,41 +52,39 @@ def generate(
   max_new_tokens: int,
   batch_size: int = 8,
 ) -> list[dict]:
-  """Greedy responses of ``prompts`` appended to ``path`` (those already there are skipped);
-  returns the new records."""
+  """Greedy responses of ``prompts`` appended to ``path`` as each ends (those already there are
+  skipped), ``batch_size`` cache rows decoded side by side and refilled as responses end
+  (:mod:`jetspec_jax.evaluation.refill`); returns the new records."""
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   done = read(path)
   todo = [p for p in prompts if (p.benchmark, p.prompt_id) not in done]
+  ids = [prompt_ids(tok, p) for p in todo]
   new = []
-  for first in range(0, len(todo), batch_size):
-    batch = todo[first : first + batch_size]
-    ids = [prompt_ids(tok, p) for p in batch]
-    start = time.perf_counter()
-    outs = decoding.generate(
-      target,
-      None,
-      ids,
-      method=methods.AR(),
-      max_new_tokens=max_new_tokens,
-      eos_id=sorted(tok.eos_ids),
+
+  def store(result: refill.Finished) -> None:
+    p, pid = todo[result.index], ids[result.index]
+    response = [int(t) for t in result.tokens]
+    record = dict(
+      **p.to_json(),
+      prompt_sha256=ids_sha256(pid),
+      prompt_len=int(len(pid)),
+      response=response,
+      response_sha256=ids_sha256(response),
+      stopped=bool(response and response[-1] in tok.eos_ids),
+      generate_s=round(result.seconds, 3),
+      rows=batch_size,
     )
-    wall = time.perf_counter() - start
-    lines = []
-    for p, pid, out in zip(batch, ids, outs, strict=True):
-      response = [int(t) for t in out.tokens]
-      record = dict(
-        **p.to_json(),
-        prompt_sha256=ids_sha256(pid),
-        prompt_len=int(len(pid)),
-        response=response,
-        response_sha256=ids_sha256(response),
-        stopped=bool(response and response[-1] in tok.eos_ids),
-        batch_wall_s=round(wall, 3),
-        batch_rows=len(batch),
-      )
-      new.append(record)
-      lines.append(json.dumps(record) + '\n')
+    new.append(record)
     with path.open('a') as f:
-      f.write(''.join(lines))
+      f.write(json.dumps(record) + '\n')
+
+  refill.generate(
+    target,
+    ids,
+    max_new_tokens=max_new_tokens,
+    eos=tok.eos_ids,
+    rows=batch_size,
+    on_finished=store,
+  )
   return new

@@ -1,0 +1,164 @@
+"""Greedy AR over a stream of prompts with a fixed set of cache rows, each refilled with the next
+prompt as soon as its response ends.
+
+Batched AR (:func:`jetspec_jax.rounds.ar_loop`) runs a batch until its longest response ends, so
+a batch holding one response that runs to the token cap and fifteen short ones spends most of its
+row-steps on finished rows. Here the rows decode ``chunk`` steps at a time on device; between
+chunks the host collects the rows that ended and prefills the next prompts into them, so every
+row-step but the stream's tail decodes a live response. Each row is the target's greedy decode of
+its own prompt (rows never read each other), as in :func:`jetspec_jax.decoding.generate`.
+"""
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax import rounds as rounds_lib
+
+PROMPT_BUCKET = 128  # prompts are padded to a multiple of it: one prefill program per bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+  """One prompt's greedy response.
+
+  Attributes:
+    index: the prompt's position in the stream.
+    tokens: ``int32[n]`` the response (its stop id included when it stopped).
+    seconds: the response's share of decoding time (each chunk's wall time split among the rows
+      live in it) plus its own prefill.
+  """
+
+  index: int
+  tokens: np.ndarray
+  seconds: float
+
+
+@functools.partial(jax.jit, static_argnames=('capacity',), donate_argnames=('state',))
+def _fill_row(target, state, prompt, prompt_len, row, capacity: int):
+  """Prefills ``prompt`` (``int32[1, Pb]``) into cache row ``row``; its first token is the
+  prefill's argmax."""
+  cache, tok, done, counts, out = state
+  small, last_logits, _ = rounds_lib.prefill(target, prompt, prompt_len[None], capacity)
+  cache = jax.tree.map(
+    lambda big, one: jax.lax.dynamic_update_slice_in_dim(big, one.astype(big.dtype), row, 0),
+    cache,
+    small,
+  )
+  first = jnp.argmax(last_logits[0]).astype(jnp.int32)
+  out = out.at[row].set(jnp.zeros_like(out[row]).at[0].set(first))
+  return cache, tok.at[row].set(first), done.at[row].set(False), counts.at[row].set(1), out
+
+
+@functools.partial(
+  jax.jit, static_argnames=('steps', 'max_new_tokens', 'eos'), donate_argnames=('state',)
+)
+def _decode(target, state, steps: int, max_new_tokens: int, eos: tuple[int, ...]):
+  """``steps`` greedy steps of every row; a finished row keeps its cache length and output."""
+
+  def body(_, carry):
+    cache, tok, done, counts, out = carry
+    done = done | (counts >= max_new_tokens)
+    for stop in eos:
+      done = done | ((counts > 0) & (out[jnp.arange(out.shape[0]), counts - 1] == stop))
+    step = target.forward(tok[:, None], cache)
+    nxt = jnp.argmax(target.lm_logits(step.hidden[:, 0]), axis=-1).astype(jnp.int32)
+    live = ~done
+    slot = jnp.where(live, counts, max_new_tokens)  # out of bounds: dropped
+    out = out.at[jnp.arange(out.shape[0]), slot].set(nxt, mode='drop')
+    lengths = jnp.where(live, step.cache.lengths, cache.lengths)
+    cache = step.cache.replace(lengths=lengths)
+    return cache, jnp.where(live, nxt, tok), done, counts + live.astype(jnp.int32), out
+
+  state = jax.lax.fori_loop(0, steps, body, state)
+  cache, tok, done, counts, out = state
+  done = done | (counts >= max_new_tokens)
+  last = out[jnp.arange(out.shape[0]), jnp.maximum(counts - 1, 0)]
+  for stop in eos:
+    done = done | ((counts > 0) & (last == stop))
+  return (cache, tok, done, counts, out)
+
+
+def generate(
+  target,
+  prompts: Sequence[np.ndarray],
+  *,
+  max_new_tokens: int,
+  eos: Iterable[int],
+  rows: int = 16,
+  chunk: int = 32,
+  on_finished: Callable[[Finished], None] | None = None,
+) -> list[Finished]:
+  """Greedy responses of ``prompts`` (1-D token ids), ``rows`` decoded side by side.
+
+  Args:
+    max_new_tokens: most tokens of a response (its stop id included).
+    eos: stop ids.
+    rows: cache rows decoded together.
+    chunk: decode steps between the host's checks for finished rows.
+    on_finished: called with each response as it ends (e.g. to append it to a file).
+
+  Returns:
+    The responses, in the order they finished.
+  """
+  eos = tuple(sorted({int(e) for e in eos}))
+  if not eos:
+    raise ValueError('refill generation needs stop ids (eos)')
+  if max_new_tokens < 1:
+    raise ValueError(f'max_new_tokens={max_new_tokens} must be >= 1')
+  if not prompts:
+    return []
+  longest = max(len(p) for p in prompts)
+  bucket = lambda n: -(-n // PROMPT_BUCKET) * PROMPT_BUCKET
+  capacity = bucket(longest) + max_new_tokens
+  rows = min(rows, len(prompts))
+  state = (
+    target.make_cache(rows, capacity),
+    jnp.zeros((rows,), jnp.int32),
+    jnp.ones((rows,), bool),
+    jnp.zeros((rows,), jnp.int32),
+    jnp.zeros((rows, max_new_tokens), jnp.int32),
+  )
+  owner = [-1] * rows  # the prompt each row decodes (-1: none)
+  seconds = [0.0] * rows
+  todo = iter(range(len(prompts)))
+  finished = []
+
+  def fill(row: int) -> None:
+    nonlocal state
+    index = next(todo, -1)
+    owner[row] = index
+    if index < 0:
+      return
+    ids = np.asarray(prompts[index], np.int32)
+    padded = np.zeros((1, bucket(len(ids))), np.int32)
+    padded[0, : len(ids)] = ids
+    start = time.perf_counter()
+    state = _fill_row(target, state, padded, np.int32(len(ids)), np.int32(row), capacity)
+    jax.block_until_ready(state)
+    seconds[row] = time.perf_counter() - start
+
+  for row in range(rows):
+    fill(row)
+  while any(o >= 0 for o in owner):
+    start = time.perf_counter()
+    state = _decode(target, state, chunk, max_new_tokens, eos)
+    done, counts = jax.device_get((state[2], state[3]))
+    live = [r for r in range(rows) if owner[r] >= 0]
+    share = (time.perf_counter() - start) / len(live)
+    for row in live:
+      seconds[row] += share
+      if not done[row]:
+        continue
+      tokens = np.asarray(jax.device_get(state[4][row, : counts[row]]))
+      result = Finished(owner[row], tokens, seconds[row])
+      finished.append(result)
+      if on_finished is not None:
+        on_finished(result)
+      fill(row)
+  return finished
