@@ -102,9 +102,13 @@ def run_responses(config, workdir: pathlib.Path) -> None:
   target, tok = load_target(config)
   path = workdir / 'responses.jsonl'
   streams = first_turn_prompts(config)
-  order = interleaved(streams, config.batch_size)
-  logging.info('%d first-turn prompts', len(order))
-  step = config.batch_size * len(streams)
+  done = responses.read(path)
+  order = [
+    p for p in interleaved(streams, config.batch_size) if (p.benchmark, p.prompt_id) not in done
+  ]
+  logging.info('%d first-turn prompts to answer, %d records stored', len(order), len(done))
+  # Rounds of prompts decoded as one refilled stream; MT-Bench's second turns follow each round.
+  step = config.batch_size * config.round_batches
   for first in range(0, len(order), step):
     responses.generate(
       target,

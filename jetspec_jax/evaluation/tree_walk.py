@@ -32,6 +32,7 @@ from jetspec_jax.training import blocks as blocks_lib
 from jetspec_jax.training import head_sums
 
 LENGTH_BUCKET = 256  # sequences are padded to a multiple of it: one compile per bucket
+ANCHOR_BUCKET = 128  # the response's anchors, padded to a multiple of it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,21 +135,28 @@ def draft_at_anchors(
   loss_mask,
   length,
   features,
+  anchors,
   priors: tuple = (),
   width: int = 1,
   dspark: tuple = (),
   chunk: int = 16,
 ):
-  """The head's drafts at every anchor of one stored sequence, from one pass of the head.
+  """The head's drafts at ``anchors`` (``int32[W]``, positions of one stored sequence), from one
+  pass of the head.
 
   Returns:
-    (``{copy_prior: (ids, logprobs)}`` each ``[L, D, width]``, the tree candidates of every
-    anchor; ``int32[len(dspark), L]`` the drafts DSpark's threshold rule accepts at each anchor).
+    (``{copy_prior: (ids, logprobs)}`` each ``[W, D, width]``, the tree candidates of each
+    anchor; ``int32[len(dspark), W]`` the drafts DSpark's threshold rule accepts at each anchor).
   """
   cfg = head.cfg
   seq_len = tokens.shape[0]
-  blk, _ = blocks_lib.every_anchor_blocks(cfg, tokens, loss_mask, length)
-  anchors = jnp.arange(seq_len, dtype=jnp.int32)
+  valid = blocks_lib.valid_anchor_positions(loss_mask, length)
+  keep = valid[jnp.clip(anchors, 0, seq_len - 1)] & (anchors < seq_len)
+  blk = blocks_lib.blocks_at(
+    anchors, keep, tokens, loss_mask, length, cfg.block_size, cfg.mask_token_id
+  )
+  if cfg.copy_seed:
+    blk = blocks_lib.copy_seeded_blocks(blk, tokens, cfg.copy_seed)
   compute_dtype = matmul.resolve(head.compute_dtype)  # drafting's own precision (decode's too)
   context_kv = head_sums.head_context_kv(head.params, cfg, features, compute_dtype)
   nxt = _next_tokens(tokens)
@@ -177,17 +185,17 @@ def draft_at_anchors(
 
   grouped = jax.tree.map(lambda x: _chunked(x, chunk), (blk, anchors))
   candidates, chains = jax.lax.map(one_chunk, grouped)
-  candidates = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:])[:seq_len], candidates)
-  return candidates, _unchunked(chains, seq_len)
+  window = anchors.shape[0]
+  candidates = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:])[:window], candidates)
+  return candidates, _unchunked(chains, window)
 
 
 @functools.partial(jax.jit, static_argnames=('settings', 'max_depth', 'chunk'))
-def accepted_in_trees(tokens, ids, logprobs, settings, max_depth: int, chunk: int = 16):
-  """Drafts one tree setting accepts at every anchor ``int32[L]``, from the anchors' candidates
-  ``[L, D, width]`` (:func:`draft_at_anchors`)."""
+def accepted_in_trees(tokens, anchors, ids, logprobs, settings, max_depth: int, chunk: int = 16):
+  """Drafts one tree setting accepts at each of ``anchors`` ``int32[W]``, from the anchors'
+  candidates ``[W, D, width]`` (:func:`draft_at_anchors`)."""
   seq_len = tokens.shape[0]
   nxt = _next_tokens(tokens)
-  anchors = jnp.arange(seq_len, dtype=jnp.int32)
 
   def one_chunk(args):
     i, lp, pos = args
@@ -197,7 +205,7 @@ def accepted_in_trees(tokens, ids, logprobs, settings, max_depth: int, chunk: in
     return verify_lib.accept(tree, anc, choices, max_depth).num_accepted
 
   grouped = (_chunked(ids, chunk), _chunked(logprobs, chunk), _chunked(anchors, chunk))
-  return jax.lax.map(one_chunk, grouped).reshape(-1)[:seq_len]
+  return jax.lax.map(one_chunk, grouped).reshape(-1)[: anchors.shape[0]]
 
 
 def accepted_at_anchors(
@@ -210,9 +218,12 @@ def accepted_at_anchors(
   settings: tuple = (),
   dspark: tuple = (),
   chunk: int = 16,
+  first: int = 0,
 ):
   """Drafts accepted at every anchor of one stored sequence, per method: ``int32[len(settings)
-  + len(dspark), L]`` (0 where ``p`` is no anchor).
+  + len(dspark), L]`` (0 where ``p`` is no anchor). Positions before ``first`` (the prompt's)
+  are not drafted: the head runs on anchors ``first .. first + W - 1``, ``W`` the span from
+  ``first`` to ``length`` rounded up to :data:`ANCHOR_BUCKET` (one compile per bucket).
 
   The head runs once (:func:`draft_at_anchors`: every anchor's top candidates, at the widest
   width of ``settings``); each tree is then built and accepted on its own
@@ -229,15 +240,20 @@ def accepted_at_anchors(
   cfg = head.cfg
   priors = tuple(dict.fromkeys(s.copy_prior for s in settings))
   width = max((s.width for s in settings), default=1)
+  span = -(-max(int(length) - first, 1) // ANCHOR_BUCKET) * ANCHOR_BUCKET
+  anchors = jnp.int32(first) + jnp.arange(span, dtype=jnp.int32)
   candidates, chains = draft_at_anchors(
-    head, target, tokens, loss_mask, length, features, priors, width, tuple(dspark), chunk
+    head, target, tokens, loss_mask, length, features, anchors, priors, width, tuple(dspark), chunk
   )
   rows = [
-    accepted_in_trees(tokens, *candidates[s.copy_prior], s, cfg.max_depth, chunk) for s in settings
+    accepted_in_trees(tokens, anchors, *candidates[s.copy_prior], s, cfg.max_depth, chunk)
+    for s in settings
   ]
   rows.extend(chains)
   valid = blocks_lib.valid_anchor_positions(loss_mask, length)
-  return jnp.where(valid[None], jnp.stack(rows), 0)
+  at_anchors = jnp.zeros((len(rows), tokens.shape[0]), jnp.int32)
+  at_anchors = at_anchors.at[:, anchors].set(jnp.stack(rows), mode='drop')
+  return jnp.where(valid[None], at_anchors, 0)
 
 
 @functools.partial(jax.jit, static_argnames=('taps',))
@@ -302,6 +318,7 @@ def walks(
       features,
       settings=tuple(trees),
       dspark=tuple(chains),
+      first=len(prompt_ids),
     )
   )
   start, end = len(prompt_ids), n - 2

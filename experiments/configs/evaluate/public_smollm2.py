@@ -46,7 +46,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.samples = [list(s) for s in SAMPLES]
   config.seed = 0
   config.max_new_tokens = 1024
-  config.batch_size = 16  # responses generated together (a batch runs to its longest)
+  config.batch_size = 16  # cache rows decoded together, each refilled as its response ends
+  config.round_batches = 16  # prompts per round (x batch_size); second turns follow each round
   config.heads = [list(h) for h in HEADS]
   config.methods = [dict(m) for m in METHODS]
   # Heads draft with bfloat16-input projections (DraftHead.with_compute_dtype): the draft scores
@@ -65,6 +66,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.samples = [['humaneval', 1], ['mtbench', 1]]
     config.max_new_tokens = 24
     config.batch_size = 2
+    config.round_batches = 1
     config.heads = [['jetspec', 'assets/jetspec_head_smollm2_135m']]
     config.methods = [
       {'name': 'chain'},
