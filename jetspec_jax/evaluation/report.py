@@ -183,8 +183,8 @@ def render(result: dict, source: str) -> str:
   walked = sum(s['walk_s'] for s in result['sets'].values()) / 3600
   lines += [
     '',
-    f'Time on this machine: {gen:.1f} h generating the responses (batched AR; a batch runs to '
-    f'its longest response), {walked:.1f} h walking them.',
+    f'Time on this machine: {gen:.1f} h generating the responses (batched AR, each response '
+    f"counted at its share of its batch's time), {walked:.1f} h walking them.",
   ]
   check = result.get('check')
   if check:
