@@ -39,8 +39,17 @@ class Finished:
   seconds: float
 
 
-@functools.partial(jax.jit, static_argnames=('capacity',), donate_argnames=('state',))
-def _fill_row(target, state, prompt, prompt_len, row, capacity: int):
+def _ended(tokens, counts, max_new_tokens: int, eos: tuple[int, ...]):
+  """Rows whose response ends with ``tokens`` (just written, ``counts`` tokens so far)."""
+  return rounds_lib.Sampling(eos=eos).is_eos(tokens) | (counts >= max_new_tokens)
+
+
+@functools.partial(
+  jax.jit, static_argnames=('capacity', 'max_new_tokens', 'eos'), donate_argnames=('state',)
+)
+def _fill_row(
+  target, state, prompt, prompt_len, row, capacity: int, max_new_tokens: int, eos: tuple[int, ...]
+):
   """Prefills ``prompt`` (``int32[1, Pb]``) into cache row ``row``; its first token is the
   prefill's argmax."""
   cache, tok, done, counts, out = state
@@ -52,7 +61,8 @@ def _fill_row(target, state, prompt, prompt_len, row, capacity: int):
   )
   first = jnp.argmax(last_logits[0]).astype(jnp.int32)
   out = out.at[row].set(jnp.zeros_like(out[row]).at[0].set(first))
-  return cache, tok.at[row].set(first), done.at[row].set(False), counts.at[row].set(1), out
+  done = done.at[row].set(_ended(first, 1, max_new_tokens, eos))
+  return cache, tok.at[row].set(first), done, counts.at[row].set(1), out
 
 
 @functools.partial(
@@ -63,25 +73,17 @@ def _decode(target, state, steps: int, max_new_tokens: int, eos: tuple[int, ...]
 
   def body(_, carry):
     cache, tok, done, counts, out = carry
-    done = done | (counts >= max_new_tokens)
-    for stop in eos:
-      done = done | ((counts > 0) & (out[jnp.arange(out.shape[0]), counts - 1] == stop))
     step = target.forward(tok[:, None], cache)
     nxt = jnp.argmax(target.lm_logits(step.hidden[:, 0]), axis=-1).astype(jnp.int32)
     live = ~done
     slot = jnp.where(live, counts, max_new_tokens)  # out of bounds: dropped
     out = out.at[jnp.arange(out.shape[0]), slot].set(nxt, mode='drop')
-    lengths = jnp.where(live, step.cache.lengths, cache.lengths)
-    cache = step.cache.replace(lengths=lengths)
-    return cache, jnp.where(live, nxt, tok), done, counts + live.astype(jnp.int32), out
+    counts = counts + live.astype(jnp.int32)
+    done = done | (live & _ended(nxt, counts, max_new_tokens, eos))
+    cache = step.cache.replace(lengths=jnp.where(live, step.cache.lengths, cache.lengths))
+    return cache, nxt, done, counts, out
 
-  state = jax.lax.fori_loop(0, steps, body, state)
-  cache, tok, done, counts, out = state
-  done = done | (counts >= max_new_tokens)
-  last = out[jnp.arange(out.shape[0]), jnp.maximum(counts - 1, 0)]
-  for stop in eos:
-    done = done | ((counts > 0) & (last == stop))
-  return (cache, tok, done, counts, out)
+  return jax.lax.fori_loop(0, steps, body, state)
 
 
 def generate(
@@ -139,7 +141,9 @@ def generate(
     padded = np.zeros((1, bucket(len(ids))), np.int32)
     padded[0, : len(ids)] = ids
     start = time.perf_counter()
-    state = _fill_row(target, state, padded, np.int32(len(ids)), np.int32(row), capacity)
+    state = _fill_row(
+      target, state, padded, np.int32(len(ids)), np.int32(row), capacity, max_new_tokens, eos
+    )
     jax.block_until_ready(state)
     seconds[row] = time.perf_counter() - start
 

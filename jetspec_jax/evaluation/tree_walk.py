@@ -150,13 +150,7 @@ def draft_at_anchors(
   """
   cfg = head.cfg
   seq_len = tokens.shape[0]
-  valid = blocks_lib.valid_anchor_positions(loss_mask, length)
-  keep = valid[jnp.clip(anchors, 0, seq_len - 1)] & (anchors < seq_len)
-  blk = blocks_lib.blocks_at(
-    anchors, keep, tokens, loss_mask, length, cfg.block_size, cfg.mask_token_id
-  )
-  if cfg.copy_seed:
-    blk = blocks_lib.copy_seeded_blocks(blk, tokens, cfg.copy_seed)
+  blk, _ = blocks_lib.every_anchor_blocks(cfg, tokens, loss_mask, length, anchors)
   compute_dtype = matmul.resolve(head.compute_dtype)  # drafting's own precision (decode's too)
   context_kv = head_sums.head_context_kv(head.params, cfg, features, compute_dtype)
   nxt = _next_tokens(tokens)

@@ -128,13 +128,16 @@ def blocks_at(anchors, keep, tokens, loss_mask, length, block_size: int, mask_to
   )
 
 
-def every_anchor_blocks(cfg, tokens, loss_mask, length):
-  """The block drafting reads at every position of one stored sequence (a copy-seeded head's
-  slots hold its seeds), and which positions are valid anchors: ``(blocks [L, bs], valid [L])``.
-  What the teacher-forced walks over a sequence read (``training/walk.py``,
-  ``evaluation/tree_walk.py``)."""
-  valid = valid_anchor_positions(loss_mask, length)
-  anchors = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+def every_anchor_blocks(cfg, tokens, loss_mask, length, anchors=None):
+  """The block drafting reads at ``anchors`` (``int32[A]``; default every position) of one stored
+  sequence (a copy-seeded head's slots hold its seeds), and which of them are valid anchors:
+  ``(blocks [A, bs], valid [A])``; an anchor past the sequence is invalid. What the
+  teacher-forced walks over a sequence read (``training/walk.py``, ``evaluation/tree_walk.py``)."""
+  seq_len = tokens.shape[0]
+  if anchors is None:
+    anchors = jnp.arange(seq_len, dtype=jnp.int32)
+  valid = valid_anchor_positions(loss_mask, length)[jnp.clip(anchors, 0, seq_len - 1)]
+  valid = valid & (anchors < seq_len)
   blk = blocks_at(anchors, valid, tokens, loss_mask, length, cfg.block_size, cfg.mask_token_id)
   if cfg.copy_seed:
     blk = copy_seeded_blocks(blk, tokens, cfg.copy_seed)
