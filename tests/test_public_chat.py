@@ -90,3 +90,57 @@ def test_each_turn_follows_the_targets_own_answers(tok, tmp_path):
   np.testing.assert_array_equal(prompt, expected)  # turn 2 is asked after the target's answer
   assert public_chat.shard_path(tmp_path, 'sampled', 3, 0).exists()
   assert public_chat.generate(target, tok, convs, tmp_path, **kwargs) == {'greedy': 0, 'sampled': 0}
+
+
+def test_greedy_turns_are_the_targets_own_and_resume_at_the_first_missing(tok, tmp_path):
+  """Greedy conversations go through one stream of refilled rows, several shards in flight: each
+  answer equals AR decoding of its turn's prompt, and a shard whose later turns are lost is
+  completed with the same answers."""
+  target = js.testing.tiny_target(0, vocab_size=49152)
+  convs = [
+    public_chat.Conversation('s', str(i), tuple(f'Question {i}.{t}?' for t in range(1 + i % 3)))
+    for i in range(7)
+  ]
+  kwargs = dict(
+    max_turns=3,
+    shard_size=2,
+    batch_size=3,
+    max_new_tokens=5,
+    max_prompt_len=200,
+    sampled_every=0,
+    temperature=0.0,
+    block_shards=2,
+  )
+  written = public_chat.generate(target, tok, convs, tmp_path, **kwargs)
+  assert written == {'greedy': sum(len(c.turns) for c in convs), 'sampled': 0}
+  files = sorted(tmp_path.rglob('shard_*'))
+  before = {p: p.read_bytes() for p in files}
+  for s in range(4):
+    answers = {c.conv_id: [] for c in convs[2 * s : 2 * s + 2]}
+    for turn in range(1, 4):
+      path = public_chat.shard_path(tmp_path, 'greedy', turn, s)
+      shard = shards_lib.load_shard(path)
+      ids = json.loads(public_chat.ids_path(path).read_text())
+      assert ids == [c.conv_id for c in convs[2 * s : 2 * s + 2] if len(c.turns) >= turn]
+      for row, conv_id in enumerate(ids):
+        conv = convs[int(conv_id)]
+        prompt = tok.apply_chat_template(public_chat.turn_messages(conv, turn, answers[conv_id]))
+        expected = js.generate(
+          target,
+          None,
+          np.asarray(prompt),
+          method=js.methods.AR(),
+          max_new_tokens=5,
+          eos_id=sorted(tok.eos_ids),
+        ).tokens
+        length = shard['lengths'][row]
+        np.testing.assert_array_equal(shard['tokens'][row][:length], np.r_[prompt, expected])
+        answers[conv_id].append(public_chat.answer_text(tok, expected))
+  for turn in (2, 3):  # shard 1 lost its later turns
+    path = public_chat.shard_path(tmp_path, 'greedy', turn, 1)
+    path.unlink()
+    public_chat.ids_path(path).unlink()
+  again = public_chat.generate(target, tok, convs, tmp_path, **kwargs)
+  assert again['greedy'] == sum(len(c.turns) - 1 for c in convs[2:4])
+  assert {p: p.read_bytes() for p in sorted(tmp_path.rglob('shard_*'))} == before
+  assert not list(tmp_path.rglob('*.claim'))

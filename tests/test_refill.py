@@ -1,5 +1,7 @@
 """Refilled-row greedy generation gives each prompt the target's own greedy response."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -39,3 +41,57 @@ def test_refilled_rows_give_each_prompt_its_greedy_response():
 def test_refill_refuses_no_stop_ids():
   with pytest.raises(ValueError, match='stop ids'):
     refill.generate(testing.tiny_target(), [np.arange(4)], max_new_tokens=4, eos=[])
+
+
+def test_a_stream_asks_follow_ups_made_from_finished_responses():
+  """A generator that yields a follow-up prompt (a prompt + its own response + more) when a
+  response ends, and None while it waits: each follow-up gets its own greedy response, drawn in
+  order, and rows keep decoding the rest meanwhile."""
+  target = testing.tiny_target(seed=3)
+  vocab = target.cfg.vocab_size
+  firsts = [testing.random_ids(10 + i, (4 + 5 * i,), vocab) for i in range(3)]
+  queue, drawn = [], []
+
+  def stream():
+    for p in firsts:
+      drawn.append(p)
+      yield p
+    while len(drawn) < 2 * len(firsts):
+      if queue:
+        drawn.append(queue.pop(0))
+        yield drawn[-1]
+      else:
+        yield None
+
+  def on_finished(f):
+    if f.index < len(firsts):
+      queue.append(np.concatenate([drawn[f.index], f.tokens, [7, 8]]).astype(np.int32))
+
+  out = refill.generate(
+    target,
+    stream(),
+    max_new_tokens=6,
+    eos=[vocab - 1],
+    rows=2,
+    chunk=3,
+    capacity=256,
+    on_finished=on_finished,
+  )
+  assert sorted(f.index for f in out) == list(range(6))
+  for f in out:
+    expected = decoding.generate(
+      target, None, drawn[f.index], method=methods.AR(), max_new_tokens=6, eos_id=[vocab - 1]
+    ).tokens
+    np.testing.assert_array_equal(f.tokens, expected)
+
+
+def test_a_stream_needs_capacity_and_prompts_that_fit():
+  target = testing.tiny_target()
+  with pytest.raises(ValueError, match='capacity'):
+    refill.generate(target, iter([np.arange(4)]), max_new_tokens=4, eos=[1])
+  with pytest.raises(ValueError, match='does not fit'):
+    refill.generate(
+      target, iter([np.arange(200)]), max_new_tokens=4, eos=[1], capacity=refill.PROMPT_BUCKET
+    )
+  with pytest.raises(ValueError, match='nothing to ask'):
+    refill.generate(target, itertools.repeat(None), max_new_tokens=4, eos=[1], capacity=256)

@@ -23,12 +23,17 @@ from jetspec_jax import rounds as rounds_lib
 PROMPT_BUCKET = 128  # prompts are padded to a multiple of it: one prefill program per bucket
 
 
+def padded_length(n: int) -> int:
+  """A prompt of ``n`` tokens padded to :data:`PROMPT_BUCKET`."""
+  return -(-n // PROMPT_BUCKET) * PROMPT_BUCKET
+
+
 @dataclasses.dataclass(frozen=True)
 class Finished:
   """One prompt's greedy response.
 
   Attributes:
-    index: the prompt's position in the stream.
+    index: the order the prompt was drawn from the stream in.
     tokens: ``int32[n]`` the response (its stop id included when it stopped).
     seconds: the response's share of decoding time (each chunk's wall time split among the rows
       live in it) plus its own prefill.
@@ -88,21 +93,30 @@ def _decode(target, state, steps: int, max_new_tokens: int, eos: tuple[int, ...]
 
 def generate(
   target,
-  prompts: Sequence[np.ndarray],
+  prompts: Iterable[np.ndarray | None],
   *,
   max_new_tokens: int,
   eos: Iterable[int],
   rows: int = 16,
   chunk: int = 32,
+  capacity: int | None = None,
   on_finished: Callable[[Finished], None] | None = None,
 ) -> list[Finished]:
   """Greedy responses of ``prompts`` (1-D token ids), ``rows`` decoded side by side.
+
+  ``prompts`` is drawn lazily, one prompt each time a row is free, so it may be a generator that
+  yields prompts made from responses already finished (a conversation's next turn, queued by
+  ``on_finished``). It yields ``None`` when it has nothing to ask yet (the row waits and it is
+  asked again after the next chunk); it must not yield ``None`` while no response is in flight.
+  A response's ``index`` is the order its prompt was drawn in.
 
   Args:
     max_new_tokens: most tokens of a response (its stop id included).
     eos: stop ids.
     rows: cache rows decoded together.
     chunk: decode steps between the host's checks for finished rows.
+    capacity: cache positions of a row; default: the longest prompt (``prompts`` must then be a
+      sequence) rounded up to :data:`PROMPT_BUCKET`, plus ``max_new_tokens``.
     on_finished: called with each response as it ends (e.g. to append it to a file).
 
   Returns:
@@ -113,12 +127,13 @@ def generate(
     raise ValueError('refill generation needs stop ids (eos)')
   if max_new_tokens < 1:
     raise ValueError(f'max_new_tokens={max_new_tokens} must be >= 1')
-  if not prompts:
-    return []
-  longest = max(len(p) for p in prompts)
-  bucket = lambda n: -(-n // PROMPT_BUCKET) * PROMPT_BUCKET
-  capacity = bucket(longest) + max_new_tokens
-  rows = min(rows, len(prompts))
+  if capacity is None:
+    if not isinstance(prompts, Sequence):
+      raise ValueError('a prompt stream needs capacity= (its longest prompt is not known)')
+    if not prompts:
+      return []
+    capacity = padded_length(max(len(p) for p in prompts)) + max_new_tokens
+    rows = min(rows, len(prompts))
   state = (
     target.make_cache(rows, capacity),
     jnp.zeros((rows,), jnp.int32),
@@ -128,17 +143,27 @@ def generate(
   )
   owner = [-1] * rows  # the prompt each row decodes (-1: none)
   seconds = [0.0] * rows
-  todo = iter(range(len(prompts)))
+  source = iter(prompts)
+  drawn = 0
+  exhausted = False
   finished = []
 
   def fill(row: int) -> None:
-    nonlocal state
-    index = next(todo, -1)
-    owner[row] = index
-    if index < 0:
+    nonlocal state, drawn, exhausted
+    owner[row] = -1
+    ids = None if exhausted else next(source, StopIteration)
+    if ids is StopIteration:
+      exhausted = True
+    if ids is None or ids is StopIteration:
       return
-    ids = np.asarray(prompts[index], np.int32)
-    padded = np.zeros((1, bucket(len(ids))), np.int32)
+    ids = np.asarray(ids, np.int32)
+    if padded_length(len(ids)) + max_new_tokens > capacity:
+      raise ValueError(
+        f'a prompt of {len(ids)} tokens does not fit capacity={capacity} with '
+        f'max_new_tokens={max_new_tokens} (prompts are padded to {PROMPT_BUCKET})'
+      )
+    owner[row], drawn = drawn, drawn + 1
+    padded = np.zeros((1, padded_length(len(ids))), np.int32)
     padded[0, : len(ids)] = ids
     start = time.perf_counter()
     state = _fill_row(
@@ -147,13 +172,18 @@ def generate(
     jax.block_until_ready(state)
     seconds[row] = time.perf_counter() - start
 
-  for row in range(rows):
-    fill(row)
-  while any(o >= 0 for o in owner):
+  while True:
+    for row in range(rows):
+      if owner[row] < 0 and not exhausted:
+        fill(row)
+    live = [r for r in range(rows) if owner[r] >= 0]
+    if not live:
+      if exhausted:
+        return finished
+      raise ValueError('the prompt stream has nothing to ask and no response is in flight')
     start = time.perf_counter()
     state = _decode(target, state, chunk, max_new_tokens, eos)
     done, counts = jax.device_get((state[2], state[3]))
-    live = [r for r in range(rows) if owner[r] >= 0]
     share = (time.perf_counter() - start) / len(live)
     for row in live:
       seconds[row] += share
@@ -161,8 +191,8 @@ def generate(
         continue
       tokens = np.asarray(jax.device_get(state[4][row, : counts[row]]))
       result = Finished(owner[row], tokens, seconds[row])
+      owner[row] = -1
       finished.append(result)
       if on_finished is not None:
         on_finished(result)
       fill(row)
-  return finished

@@ -11,6 +11,7 @@ earlier answers (self-distillation). :func:`select` filters by language, length 
 and drops every conversation that overlaps a public evaluation set.
 """
 
+import collections
 import dataclasses
 import json
 import re
@@ -20,7 +21,7 @@ from absl import logging
 from etils import epath
 
 from jetspec_jax import decoding, methods
-from jetspec_jax.evaluation import contamination, prompt_sets
+from jetspec_jax.evaluation import contamination, prompt_sets, refill
 from jetspec_jax.training import shards as shards_lib
 
 SHAREGPT = prompt_sets.Package(
@@ -183,19 +184,35 @@ def ids_path(path):
   return path.with_name(path.name.removesuffix('.npz') + '.ids.json')
 
 
+def answer_text(tok, response) -> str:
+  """The text of one answer (its token ids, stop ids dropped), as the next turn shows it."""
+  response = np.asarray(response)
+  response = response[~np.isin(response, np.asarray(sorted(tok.eos_ids)))]
+  return tok.decode(response.tolist(), skip_special_tokens=True)
+
+
 def read_answers(tok, path) -> dict[str, str]:
   """conversation id -> the answer's text, of one written shard."""
   ids = json.loads(ids_path(path).read_text())
   shard = shards_lib.load_shard(path)
-  eos = np.asarray(sorted(tok.eos_ids))
   out = {}
   for conv_id, tokens, mask, length in zip(
     ids, shard['tokens'], shard['loss_mask'], shard['lengths'], strict=True
   ):
-    response = tokens[:length][mask[:length] == 1]
-    response = response[~np.isin(response, eos)]
-    out[conv_id] = tok.decode(response.tolist(), skip_special_tokens=True)
+    out[conv_id] = answer_text(tok, tokens[:length][mask[:length] == 1])
   return out
+
+
+def write_turn(path, rows: list[tuple[str, np.ndarray, np.ndarray]], max_len: int) -> None:
+  """One turn's shard: ``rows`` of (conversation id, prompt ids, response ids), the ids first
+  (a shard that exists has its ids beside it)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  shards_lib.write_atomically(ids_path(path), json.dumps([c for c, _, _ in rows]).encode(), '.tmp')
+  sequences = [np.concatenate([p, r]).astype(np.int32) for _, p, r in rows]
+  masks = [
+    np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(r), np.uint8)]) for _, p, r in rows
+  ]
+  shards_lib.write_shard(path, sequences, masks, max_len)
 
 
 def generate(
@@ -213,99 +230,237 @@ def generate(
   temperature: float,
   top_p: float = 1.0,
   seed: int = 0,
+  block_shards: int = 12,
 ) -> dict[str, int]:
   """Answers every turn of ``conversations`` into ``data_dir/{greedy,sampled}/turn{k}/``.
 
   Conversations are split into kinds (:func:`kind_of`) and shards of ``shard_size``; shard ``s``
-  of turn ``k`` holds the turn-``k`` answers of shard ``s``'s conversations, asked after the
-  target's own answers in turns ``1..k-1`` (read back from those shards), so a shard's turns are
-  written one after the other and a partial dataset holds whole conversations. A prompt longer
-  than ``max_prompt_len`` tokens is not asked (nor the conversation's later turns). Each shard's
-  conversation ids go beside it (``shard_*.ids.json``); shards are claimed as they are written
-  (:class:`~jetspec_jax.training.data.ShardClaim`), so processes started side by side split the
-  work and a rerun resumes. Returns the sequences written by this call.
+  of turn ``k`` holds the turn-``k`` answers of shard ``s``'s conversations, each asked after the
+  target's own answers in turns ``1..k-1``; a shard's turns are written in order, so a partial
+  dataset holds whole conversations. A prompt longer than ``max_prompt_len`` tokens is not asked
+  (nor the conversation's later turns). Each shard's conversation ids go beside it
+  (``shard_*.ids.json``).
+
+  Greedy conversations are one stream of prompts through ``batch_size`` cache rows refilled as
+  answers end (:func:`_greedy_stream`), ``block_shards`` shards at a time; a conversation's next
+  turn is asked as soon as its answer ends. Sampled conversations follow each block in their
+  share (batched sampling, :func:`_sampled_shard`). Shards are claimed while they are written
+  (:class:`~jetspec_jax.training.shards.ShardClaim`), so processes started side by side split
+  the work, and a rerun resumes at the first turn not written. Returns the sequences written
+  by this call.
   """
   kinds = {'greedy': [], 'sampled': []}
   for i, conv in enumerate(conversations):
     kinds[kind_of(i, sampled_every)].append(conv)
+  shards = {
+    kind: [(s, convs[i : i + shard_size]) for s, i in enumerate(range(0, len(convs), shard_size))]
+    for kind, convs in kinds.items()
+  }
+  common = dict(max_turns=max_turns, max_new_tokens=max_new_tokens, max_prompt_len=max_prompt_len)
   written = {'greedy': 0, 'sampled': 0}
-  num_shards = max(-(-len(c) // shard_size) for c in kinds.values())
-  max_len = max_prompt_len + max_new_tokens
-  for s in range(num_shards):
-    for kind, convs in kinds.items():
-      chunk = convs[s * shard_size : (s + 1) * shard_size]
-      answers: dict[str, list[str]] = {c.conv_id: [] for c in chunk}
-      for turn in range(1, max_turns + 1):
-        path = shard_path(data_dir, kind, turn, s)
-        if not path.exists():
-          with shards_lib.ShardClaim(path) as claimed:
-            if not claimed:
-              break  # another process is on this shard
-            if not path.exists():
-              written[kind] += _answer_turn(
-                target,
-                tok,
-                chunk,
-                answers,
-                turn,
-                path,
-                batch_size=batch_size,
-                max_new_tokens=max_new_tokens,
-                max_prompt_len=max_prompt_len,
-                max_len=max_len,
-                temperature=temperature if kind == 'sampled' else 0.0,
-                top_p=top_p,
-                seed=seed * 100_003 + s * 1_009 + turn,
-              )
-        for conv_id, text in read_answers(tok, path).items():
-          answers[conv_id].append(text)
-    logging.info('conversation shard %d of %d done', s + 1, num_shards)
+  greedy, sampled = shards['greedy'], shards['sampled']
+  sampled_done = 0
+  for b in range(0, max(len(greedy), 1), block_shards):
+    block = greedy[b : b + block_shards]
+    written['greedy'] += _greedy_stream(target, tok, block, data_dir, rows=batch_size, **common)
+    # the sampled shards in the same share of theirs as the greedy ones done (all after the last)
+    last = b + block_shards >= len(greedy)
+    share = len(sampled) if last else -(-(b + len(block)) * len(sampled) // len(greedy))
+    for s, chunk in sampled[sampled_done:share]:
+      written['sampled'] += _sampled_shard(
+        target,
+        tok,
+        s,
+        chunk,
+        data_dir,
+        batch_size=batch_size,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        **common,
+      )
+    sampled_done = max(sampled_done, share)
+    logging.info('conversation shards: %d greedy, %d sampled done', b + len(block), sampled_done)
   return written
 
 
-def _answer_turn(
+def _turn_prompt(tok, conv, turn, answers, max_turns, max_prompt_len) -> np.ndarray | None:
+  """Turn ``turn``'s prompt ids of ``conv`` after its ``answers`` to the turns before, or None
+  when the conversation ends before it (no such turn, or its prompt is too long)."""
+  if turn > min(max_turns, len(conv.turns)) or len(answers) != turn - 1:
+    return None
+  ids = np.asarray(tok.apply_chat_template(turn_messages(conv, turn, answers)), np.int32)
+  return ids if len(ids) <= max_prompt_len else None
+
+
+class _ShardInFlight:
+  """One greedy conversation shard being answered: the answers so far, and which turns are
+  written."""
+
+  def __init__(self, data_dir, s, chunk, claim, max_turns):
+    self.data_dir, self.s, self.chunk, self.claim = data_dir, s, chunk, claim
+    self.answers = {c.conv_id: [] for c in chunk}
+    self.asking = {}  # conversation id -> the turn it is being asked (absent: it has ended)
+    self.rows = {t: {} for t in range(1, max_turns + 1)}  # turn -> id -> (prompt, response)
+    self.next_to_write = 1
+    self.max_turns = max_turns
+
+  def path(self, turn):
+    return shard_path(self.data_dir, 'greedy', turn, self.s)
+
+  def write_ready(self, max_len) -> int:
+    """Writes every turn whose answers are all in (the turns before it written); returns the
+    sequences written."""
+    n = 0
+    while self.next_to_write <= self.max_turns:
+      turn = self.next_to_write
+      if any(t <= turn for t in self.asking.values()):
+        break
+      order = [c.conv_id for c in self.chunk if c.conv_id in self.rows[turn]]
+      write_turn(self.path(turn), [(c, *self.rows[turn][c]) for c in order], max_len)
+      n += len(order)
+      self.next_to_write += 1
+    return n
+
+  @property
+  def done(self) -> bool:
+    return self.next_to_write > self.max_turns
+
+
+def _greedy_stream(
+  target, tok, shards, data_dir, *, rows, max_turns, max_new_tokens, max_prompt_len
+) -> int:
+  """Answers the greedy conversation ``shards`` ((index, conversations) pairs) as one stream
+  through refilled cache rows (:func:`jetspec_jax.evaluation.refill.generate`): a shard is taken
+  when the stream has nothing else to ask, each conversation's next turn is queued when its
+  answer ends, and a shard's turn is written once all its answers are in. A shard whose turns
+  are partly written resumes at the first one missing. Returns the sequences written."""
+  max_len = max_prompt_len + max_new_tokens
+  pending = collections.deque()  # (shard, conversation, turn, prompt ids)
+  drawn = []  # the stream's prompts in the order refill draws them
+  in_flight: list[_ShardInFlight] = []
+  written = 0
+
+  def ask_next(shard, conv, turn):
+    ids = _turn_prompt(tok, conv, turn, shard.answers[conv.conv_id], max_turns, max_prompt_len)
+    if ids is None:
+      shard.asking.pop(conv.conv_id, None)
+    else:
+      shard.asking[conv.conv_id] = turn
+      pending.append((shard, conv, turn, ids))
+
+  def settle(shard):
+    nonlocal written
+    written += shard.write_ready(max_len)
+    if shard.done:
+      shard.claim.__exit__(None, None, None)
+      in_flight.remove(shard)
+
+  def open_shard(s, chunk) -> bool:
+    shard = _ShardInFlight(data_dir, s, chunk, None, max_turns)
+    while shard.next_to_write <= max_turns and shard.path(shard.next_to_write).exists():
+      for conv_id, text in read_answers(tok, shard.path(shard.next_to_write)).items():
+        shard.answers[conv_id].append(text)
+      shard.next_to_write += 1
+    if shard.done:
+      return False
+    shard.claim = shards_lib.ShardClaim(epath.Path(data_dir) / 'greedy' / f'conversations_{s:05d}')
+    if not shard.claim.__enter__():
+      return False  # another process is on it
+    in_flight.append(shard)
+    for conv in chunk:
+      ask_next(shard, conv, shard.next_to_write)
+    settle(shard)
+    return True
+
+  def stream():
+    todo = iter(shards)
+    while True:
+      if pending:
+        item = pending.popleft()
+        drawn.append(item)
+        yield item[3]
+        continue
+      nxt = next(todo, None)
+      if nxt is not None:
+        open_shard(*nxt)
+      elif in_flight:
+        yield None  # the rest are next turns of answers still being written
+      else:
+        return
+
+  def finished(result):
+    shard, conv, turn, ids = drawn[result.index]
+    shard.answers[conv.conv_id].append(answer_text(tok, result.tokens))
+    shard.rows[turn][conv.conv_id] = (ids, result.tokens)
+    ask_next(shard, conv, turn + 1)
+    settle(shard)
+
+  try:
+    refill.generate(
+      target,
+      stream(),
+      max_new_tokens=max_new_tokens,
+      eos=tok.eos_ids,
+      rows=rows,
+      capacity=refill.padded_length(max_prompt_len) + max_new_tokens,
+      on_finished=finished,
+    )
+  finally:
+    for shard in in_flight:
+      shard.claim.__exit__(None, None, None)
+  return written
+
+
+def _sampled_shard(
   target,
   tok,
+  s,
   chunk,
-  answers,
-  turn,
-  path,
+  data_dir,
   *,
+  max_turns,
   batch_size,
   max_new_tokens,
   max_prompt_len,
-  max_len,
   temperature,
   top_p,
   seed,
 ) -> int:
-  rows = []
-  for conv in chunk:
-    if len(conv.turns) >= turn and len(answers[conv.conv_id]) == turn - 1:
-      ids = tok.apply_chat_template(turn_messages(conv, turn, answers[conv.conv_id]))
-      if len(ids) <= max_prompt_len:
-        rows.append((conv.conv_id, np.asarray(ids, np.int32)))
-  sequences, masks = [], []
-  for b in range(0, len(rows), batch_size):
-    batch = rows[b : b + batch_size]
-    outs = decoding.generate(
-      target,
-      None,
-      [ids for _, ids in batch],
-      method=methods.AR(),
-      max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      top_p=top_p if temperature else 1.0,
-      seed=seed + b,
-      eos_id=sorted(tok.eos_ids),
-    )
-    for (_, ids), out in zip(batch, outs, strict=True):
-      sequences.append(np.concatenate([ids, out.tokens]).astype(np.int32))
-      masks.append(
-        np.concatenate([np.zeros(len(ids), np.uint8), np.ones(len(out.tokens), np.uint8)])
-      )
-  path.parent.mkdir(parents=True, exist_ok=True)
-  # The ids first: a shard that exists has its ids beside it.
-  shards_lib.write_atomically(ids_path(path), json.dumps([c for c, _ in rows]).encode(), '.tmp')
-  shards_lib.write_shard(path, sequences, masks, max_len)
-  return len(sequences)
+  """Answers one sampled conversation shard turn by turn (batched AR sampling; a turn's batch
+  runs to its longest answer). Returns the sequences written."""
+  answers: dict[str, list[str]] = {c.conv_id: [] for c in chunk}
+  written = 0
+  for turn in range(1, max_turns + 1):
+    path = shard_path(data_dir, 'sampled', turn, s)
+    if not path.exists():
+      with shards_lib.ShardClaim(path) as claimed:
+        if not claimed:
+          return written  # another process is on this shard
+        if not path.exists():
+          asked = [
+            (c.conv_id, ids)
+            for c in chunk
+            if (ids := _turn_prompt(tok, c, turn, answers[c.conv_id], max_turns, max_prompt_len))
+            is not None
+          ]
+          rows = []
+          for b in range(0, len(asked), batch_size):
+            batch = asked[b : b + batch_size]
+            outs = decoding.generate(
+              target,
+              None,
+              [ids for _, ids in batch],
+              method=methods.AR(),
+              max_new_tokens=max_new_tokens,
+              temperature=temperature,
+              top_p=top_p if temperature else 1.0,
+              seed=seed * 100_003 + s * 1_009 + turn + b,
+              eos_id=sorted(tok.eos_ids),
+            )
+            rows += [(c, ids, out.tokens) for (c, ids), out in zip(batch, outs, strict=True)]
+          write_turn(path, rows, max_prompt_len + max_new_tokens)
+          written += len(rows)
+    for conv_id, text in read_answers(tok, path).items():
+      answers[conv_id].append(text)
+  return written
