@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import json
 import re
+import time
 
 import numpy as np
 from absl import logging
@@ -236,10 +237,10 @@ def generate(
 
   Conversations are split into kinds (:func:`kind_of`) and shards of ``shard_size``; shard ``s``
   of turn ``k`` holds the turn-``k`` answers of shard ``s``'s conversations, each asked after the
-  target's own answers in turns ``1..k-1``; a shard's turns are written in order, so a partial
-  dataset holds whole conversations. A prompt longer than ``max_prompt_len`` tokens is not asked
-  (nor the conversation's later turns). Each shard's conversation ids go beside it
-  (``shard_*.ids.json``).
+  target's own answers in turns ``1..k-1``; a shard's turns are written in order (a stopped run
+  leaves each shard's first turns, and resumes at the first one missing). A prompt longer than
+  ``max_prompt_len`` tokens is not asked (nor the conversation's later turns). Each shard's
+  conversation ids go beside it (``shard_*.ids.json``).
 
   Greedy conversations are one stream of prompts through ``batch_size`` cache rows refilled as
   answers end (:func:`_greedy_stream`), ``block_shards`` shards at a time; a conversation's next
@@ -340,6 +341,7 @@ def _greedy_stream(
   drawn = []  # the stream's prompts in the order refill draws them
   in_flight: list[_ShardInFlight] = []
   written = 0
+  answered = [0, time.perf_counter()]  # response tokens so far, and the stream's start
 
   def ask_next(shard, conv, turn):
     ids = _turn_prompt(tok, conv, turn, shard.answers[conv.conv_id], max_turns, max_prompt_len)
@@ -351,7 +353,18 @@ def _greedy_stream(
 
   def settle(shard):
     nonlocal written
+    before = shard.next_to_write
     written += shard.write_ready(max_len)
+    if shard.next_to_write > before:
+      seconds = time.perf_counter() - answered[1]
+      logging.info(
+        'greedy shard %d: turns %d-%d written; stream: %d response tokens, %.1f tokens/s',
+        shard.s,
+        before,
+        shard.next_to_write - 1,
+        answered[0],
+        answered[0] / seconds,
+      )
     if shard.done:
       shard.claim.__exit__(None, None, None)
       in_flight.remove(shard)
@@ -391,6 +404,7 @@ def _greedy_stream(
 
   def finished(result):
     shard, conv, turn, ids = drawn[result.index]
+    answered[0] += len(result.tokens)
     shard.answers[conv.conv_id].append(answer_text(tok, result.tokens))
     shard.rows[turn][conv.conv_id] = (ids, result.tokens)
     ask_next(shard, conv, turn + 1)
