@@ -168,13 +168,13 @@ def draft_at_anchors(
         merge = types.SimpleNamespace(copy_prior=prior, width=width)
         candidates[prior] = tree_method.tree_candidates(draft_logits, state, merge)
     rows = []
-    for s in dspark:
+    if dspark:  # one greedy chain serves every threshold
       draft = dspark_lib.draft_chain(head, target, out, state.anchor, jax.random.key(0), 0.0)
-      lengths = dspark_lib.threshold_lengths(draft.confidence, s.threshold)
       depth = jnp.arange(draft.tokens.shape[1])
       right = draft.tokens == nxt[jnp.clip(pos[:, None] + depth, 0, seq_len - 1)]
       run = jnp.sum(jnp.cumprod(right, axis=1), axis=1)
-      rows.append(jnp.minimum(run, lengths))
+    for s in dspark:
+      rows.append(jnp.minimum(run, dspark_lib.threshold_lengths(draft.confidence, s.threshold)))
     return candidates, jnp.stack(rows) if rows else jnp.zeros((0, chunk), jnp.int32)
 
   grouped = jax.tree.map(lambda x: _chunked(x, chunk), (blk, anchors))
