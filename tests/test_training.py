@@ -858,3 +858,40 @@ def test_only_shards_picks_shards_of_one_kind():
   for bad in ('greedy', 'typo:1', 'sampled:16', 'greedy:-1', 'greedy:1,x'):
     with pytest.raises(ValueError, match='only_shards'):
       data_lib.parse_only_shards(bad, counts)
+
+
+def test_mixed_sources_give_whole_batches_in_their_shares(dataset):
+  """data.mix: each step's batch comes whole from one source at that source's width, the sources
+  in their shares; one source gives exactly its own batches."""
+  short = shards_lib.TokenShards(dataset[0], max_len=40)
+  wide = shards_lib.TokenShards(dataset[0], max_len=64)
+  mixed = shards_lib.mix_batches([short, wide], [0.75, 0.25], 4, seed=0)
+  widths = [mixed[s]['tokens'].shape for s in range(200)]
+  assert set(widths) == {(4, 40), (4, 64)}
+  assert widths.count((4, 64)) == 50
+  alone = shards_lib.mix_batches([short], [1.0], 4, seed=0)
+  np.testing.assert_array_equal(
+    alone[7]['tokens'], shards_lib.make_batches(short, 4, 0)[7]['tokens']
+  )
+  with pytest.raises(ValueError, match='positive weights'):
+    shards_lib.mix_batches([short, wide], [1.0, 0.0], 4, seed=0)
+
+
+def test_train_draft_reads_a_mixed_directory_at_its_own_width(tmp_path):
+  """A run with data.mix trains on data.dir and a directory of longer sequences at their own
+  width; a weight that leaves data.dir no share is refused."""
+  long = draft_tiny.get_config('runlocal')
+  long.data.update(num_prompts=24, prompt_seed=1, max_new_tokens=60, max_len=80, shard_size=8)
+  generate_data.run(long, str(tmp_path / 'long'))
+  config = draft_tiny.get_config('runlocal')
+  config.train.update(steps=6, log_every=3, checkpoint_every=6)
+  config.eval.update(num_prompts=1, max_new_tokens=8)
+  config.data.mix = [
+    dict(dir=str(tmp_path / 'long' / 'data'), max_len=80, features_dir='', weight=0.5)
+  ]
+  result = head_trainer.train_and_evaluate(config, str(tmp_path / 'train'))
+  assert result['steps'] == 6
+  assert result['num_sequences'] == 32 + 24
+  config.data.mix = [dict(dir='x', max_len=80, features_dir='', weight=1.0)]
+  with pytest.raises(ValueError, match='0 < weight < 1'):
+    head_trainer.train_and_evaluate(config, str(tmp_path / 'bad'))

@@ -64,15 +64,24 @@ def train_and_evaluate(config, workdir: str) -> dict:
     target_labels=target_labels,
     prompt_rounds=prompt_rounds,
   )
-  if source.feature_taps is not None and source.feature_taps != tuple(head_cfg.target_layer_ids):
-    raise ValueError(
-      f'the data stores features of target layers {source.feature_taps}, the head taps '
-      f'{tuple(head_cfg.target_layer_ids)}; regenerate the data or match the taps'
-    )
-  batches = shards_lib.make_batches(source, config.train.global_batch, config.seed)
+  # data.mix: more directories (e.g. long conversations), each at its own width and share
+  mixed = run_config.mixed_sources(config, target, heldout_shards, target_labels)
+  sources = [source] + [s for s, _ in mixed]
+  for s in sources:
+    if s.feature_taps is not None and s.feature_taps != tuple(head_cfg.target_layer_ids):
+      raise ValueError(
+        f'the data stores features of target layers {s.feature_taps}, the head taps '
+        f'{tuple(head_cfg.target_layer_ids)}; regenerate the data or match the taps'
+      )
+  batches = shards_lib.mix_batches(
+    sources,
+    [1.0 - sum(w for _, w in mixed)] + [w for _, w in mixed],
+    config.train.global_batch,
+    config.seed,
+  )
   draft_vocab = None
   if config.head.get('draft_vocab_coverage'):
-    counts = source.response_token_counts(target.cfg.vocab_size)
+    counts = sum(s.response_token_counts(target.cfg.vocab_size) for s in sources)
     draft_vocab = dh.draft_vocabulary(counts, config.head.draft_vocab_coverage)
     logging.info(
       'draft vocabulary: %d of %d ids cover %.4f of the response tokens',
@@ -179,8 +188,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     steps=int(state.step),
     history=history,
     export_dir=str(export_dir),
-    num_sequences=len(source),
-    num_tokens=source.num_tokens,
+    num_sequences=sum(len(s) for s in sources),
+    num_tokens=sum(s.num_tokens for s in sources),
   )
   result.update(tau_before=tau_before, tau_after=mean_tau(head))
   if heldout_shards:

@@ -208,6 +208,47 @@ def check_config(config) -> None:
     raise ValueError(
       f'data.feature_taps {tuple(feature_taps)} != head.target_layer_ids {tuple(taps)}'
     )
+  mixed = config.data.get('mix') or ()
+  for m in mixed:
+    if set(m) != set(MIX_FIELDS) or m['max_len'] < 2 or not 0 < m['weight'] < 1:
+      raise ValueError(
+        f'each data.mix entry needs exactly {MIX_FIELDS} (max_len >= 2, 0 < weight < 1), '
+        f'got {dict(m)}'
+      )
+  if mixed and sum(m['weight'] for m in mixed) >= 1:
+    raise ValueError('the data.mix weights must leave data.dir a share: their sum must be < 1')
+
+
+MIX_FIELDS = ('dir', 'max_len', 'features_dir', 'weight')
+
+
+def mixed_sources(config, target: decoder.Target, skip_per_dir: int, target_labels: bool) -> list:
+  """The data directories trained on beside ``data.dir`` (``data.mix``: each entry's ``dir`` of
+  token shards, ``max_len`` its sequences' width, ``features_dir`` its own feature cache,
+  ``weight`` its share of the batches) as (:class:`~jetspec_jax.training.shards.TokenShards`,
+  weight) pairs, their feature caches built first. Each directory's first ``skip_per_dir``
+  shards are held out, as ``data.dir``'s are."""
+  out = []
+  for m in config.data.get('mix') or ():
+    if m['features_dir'] and config.data.get('feature_taps'):
+      features_lib.compute_features(
+        target,
+        m['dir'],
+        m['features_dir'],
+        tuple(config.data.feature_taps),
+        batch_size=config.data.get('feature_batch', 8),
+        progress=False,
+        compute_dtype=config.data.get('features_compute_dtype', 'float32'),
+      )
+    source = shards_lib.TokenShards(
+      m['dir'],
+      max_len=m['max_len'],
+      skip_per_dir=skip_per_dir,
+      features_dir=m['features_dir'] or None,
+      target_labels=target_labels,
+    )
+    out.append((source, float(m['weight'])))
+  return out
 
 
 def save_resolved_config(config, workdir, name: str = 'config.json') -> epath.Path:

@@ -348,6 +348,18 @@ def make_batches(source: TokenShards, global_batch: int, seed: int) -> grain.Map
   return ds.batch(global_batch, drop_remainder=True).map(with_index)
 
 
+def mix_batches(
+  sources: list[TokenShards], weights: list[float], global_batch: int, seed: int
+) -> grain.MapDataset:
+  """:func:`make_batches` of each source (the first with ``seed``, source ``i`` with
+  ``seed + i``), mixed in the shares ``weights``: each batch comes whole from one source, at
+  its own width; ``ds[step]`` is the batch of that step. One source: its batches."""
+  if len(sources) != len(weights) or not sources or min(weights) <= 0:
+    raise ValueError(f'{len(sources)} sources need as many positive weights, got {weights}')
+  batches = [make_batches(s, global_batch, seed + i) for i, s in enumerate(sources)]
+  return batches[0] if len(batches) == 1 else grain.MapDataset.mix(batches, list(weights))
+
+
 def save_features(path, rows) -> None:
   """One float16 ``[sum of lengths, F]`` array, written atomically (temp file + rename)."""
   save_rows(path, rows, np.float16)
