@@ -190,3 +190,23 @@ def test_shard_paths_keep_the_first_prompt_rounds(tmp_path):
     'roundabout',
     'sampled',
   ]
+
+
+@pytest.mark.parametrize('kind', ['jetspec', 'dflash', 'jetspecpp', 'dspark'])
+def test_public_and_block16_presets_build(kind):
+  """'<head>_public' continues the shipped head on rounds 0-2 plus the public-chat data (its own
+  width); '<head>_b16' keeps a step's draft slots (anchors x block) equal to the first stage's."""
+  public = draft_smollm2.get_config(f'{kind}_public')
+  run_config.check_config(public)
+  assert public.train.init_from == f'assets/{kind}_head_smollm2_135m'
+  assert public.data.prompt_rounds == 3
+  assert [m['dir'] for m in public.data.mix] == ['data/public_chat']
+  assert public.head.causal == draft_smollm2.get_config(kind).head.causal
+  if kind in ('jetspec', 'dflash'):
+    first, b16 = draft_smollm2.get_config(kind), draft_smollm2.get_config(f'{kind}_b16')
+    run_config.check_config(b16)
+    assert b16.head.block_size == 16 and b16.head.causal == first.head.causal
+    assert b16.train.num_anchors * 16 == first.train.num_anchors * first.head.block_size
+  else:
+    with pytest.raises(ValueError, match='blocks of 16'):
+      draft_smollm2.get_config(f'{kind}_b16')

@@ -13,7 +13,10 @@ Heads: the presets ``jetspec``, ``dflash``, ``jetspecpp`` and ``dspark`` train o
       --workdir=runs/jetspec
   python -m experiments.train --config=experiments/configs/train/draft_smollm2.py:jetspec_shipped \
       --workdir=runs/jetspec_shipped
-``public_chat`` is the data of prompts people send (data/public_chat/README.md).
+``public_chat`` is the data of prompts people send (data/public_chat/README.md);
+``<head>_public`` continues a shipped head on rounds 0-2 plus that data, ``jetspec_b16`` and
+``dflash_b16`` are the first stage with the paper's blocks of 16 (a scaling point at equal
+compute).
 
 Prompts are made offline and never include an evaluation prompt: instructions the model writes
 itself from its bare user-turn prefix, coding tasks from the standard library's training split,
@@ -30,9 +33,12 @@ from jetspec_jax.models import model_cache
 
 
 def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
-  # '<head>_shipped': the shipped head's second stage, from the first stage's export
-  shipped = arg is not None and arg.endswith('_shipped')
-  arg = arg.removesuffix('_shipped') if shipped else arg
+  # '<head>_shipped': the shipped head's second stage, from the first stage's export;
+  # '<head>_public': the shipped head continued on rounds 0-2 plus the public-chat data;
+  # '<head>_b16': the first stage with blocks of 16 (jetspec, dflash)
+  suffix = next((x for x in ('_shipped', '_public', '_b16') if arg and arg.endswith(x)), '')
+  arg = arg.removesuffix(suffix) if suffix else arg
+  shipped = suffix == '_shipped'
   config = draft_tiny.get_config()
   config.target = ml_collections.ConfigDict(
     dict(
@@ -167,6 +173,28 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
         features_compute_dtype='bfloat16',
         features_dir=str(model_cache.cache_dir() / 'features' / 'smollm2_135m_bf16'),
       )
+  if suffix == '_public':
+    # The shipped head (assets/) continued on rounds 0-2 and, in half the steps, the public-chat
+    # conversations (data.mix: their own width and feature cache; the first shard of each of its
+    # directories held out).
+    config.data.prompt_rounds = 3
+    config.data.mix = [
+      dict(
+        dir='data/public_chat',
+        max_len=3072,
+        features_dir=str(model_cache.cache_dir() / 'features' / 'public_chat_smollm2_135m'),
+        weight=0.5,
+      )
+    ]
+    config.train.update(init_from=f'assets/{arg}_head_smollm2_135m', steps=1500, lr=5e-4)
+    config.eval.update(num_prompts=2, max_new_tokens=48)
+  if suffix == '_b16':
+    if arg not in ('jetspec', 'dflash'):
+      raise ValueError(f'blocks of 16 are a preset of the jetspec and dflash heads, not {arg!r}')
+    # The paper's block size at equal compute: twice the draft slots per anchor, half the
+    # anchors (16 x 16 = 32 x 8 slots a sequence).
+    config.head.block_size = 16
+    config.train.num_anchors = 16
   if arg == 'public_chat':
     # Data from prompts people send (jetspec_jax/training/public_chat.py; card:
     # data/public_chat/README.md): ShareGPT and Alpaca user turns, up to 3 turns a conversation,
