@@ -90,6 +90,13 @@ def test_each_turn_follows_the_targets_own_answers(tok, tmp_path):
   np.testing.assert_array_equal(prompt, expected)  # turn 2 is asked after the target's answer
   assert public_chat.shard_path(tmp_path, 'sampled', 3, 0).exists()
   assert public_chat.generate(target, tok, convs, tmp_path, **kwargs) == {'greedy': 0, 'sampled': 0}
+  # A sampled answer's keys are its (seed, conversation, turn): lost turns come back the same.
+  lost = [public_chat.shard_path(tmp_path, 'sampled', t, 0) for t in (2, 3)]
+  before = [p.read_bytes() for p in lost]
+  for p in lost:
+    p.unlink()
+  assert public_chat.generate(target, tok, convs, tmp_path, **kwargs) == {'greedy': 0, 'sampled': 2}
+  assert [p.read_bytes() for p in lost] == before
 
 
 def test_greedy_turns_are_the_targets_own_and_resume_at_the_first_missing(tok, tmp_path):

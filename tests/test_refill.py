@@ -95,3 +95,35 @@ def test_a_stream_needs_capacity_and_prompts_that_fit():
     )
   with pytest.raises(ValueError, match='nothing to ask'):
     refill.generate(target, itertools.repeat(None), max_new_tokens=4, eos=[1], capacity=256)
+
+
+def test_a_sample_is_its_prompts_own_whatever_the_rows_chunk_or_order():
+  """Sampled responses use keys of (the prompt's seed, the token's position): the same prompts
+  in another order through other rows and chunks give the same samples; other seeds other ones."""
+  target = testing.tiny_target(seed=3)
+  vocab = target.cfg.vocab_size
+  prompts = [testing.random_ids(20 + i, (3 + 4 * i,), vocab) for i in range(5)]
+  kwargs = dict(max_new_tokens=10, eos=[vocab - 1], temperature=1.0, capacity=256)
+  seeds = [101, 7, 55, 3, 19]
+  one = refill.generate(target, iter(prompts), rows=2, chunk=3, seed_of=seeds.__getitem__, **kwargs)
+  order = [3, 0, 4, 1, 2]
+  two = refill.generate(
+    target,
+    iter([prompts[i] for i in order]),
+    rows=3,
+    chunk=5,
+    seed_of=lambda k: seeds[order[k]],
+    **kwargs,
+  )
+  first = {f.index: f.tokens for f in one}
+  second = {order[f.index]: f.tokens for f in two}
+  for i in range(len(prompts)):
+    np.testing.assert_array_equal(first[i], second[i])
+  greedy = {
+    f.index: f.tokens for f in refill.generate(target, prompts, max_new_tokens=10, eos=[vocab - 1])
+  }
+  other = {
+    f.index: f.tokens for f in refill.generate(target, iter(prompts), **kwargs)
+  }  # seeds 0..4
+  assert any(len(first[i]) != len(greedy[i]) or (first[i] != greedy[i]).any() for i in first)
+  assert any(len(first[i]) != len(other[i]) or (first[i] != other[i]).any() for i in first)

@@ -1,12 +1,14 @@
-"""Greedy AR over a stream of prompts with a fixed set of cache rows, each refilled with the next
-prompt as soon as its response ends.
+"""AR decoding (greedy or sampled) over a stream of prompts with a fixed set of cache rows, each
+refilled with the next prompt as soon as its response ends.
 
 Batched AR (:func:`jetspec_jax.rounds.ar_loop`) runs a batch until its longest response ends, so
 a batch holding one response that runs to the token cap and fifteen short ones spends most of its
 row-steps on finished rows. Here the rows decode ``chunk`` steps at a time on device; between
 chunks the host collects the rows that ended and prefills the next prompts into them, so every
 row-step but the stream's tail decodes a live response. Each row is the target's greedy decode of
-its own prompt (rows never read each other), as in :func:`jetspec_jax.decoding.generate`.
+its own prompt (rows never read each other), as in :func:`jetspec_jax.decoding.generate`; or its
+sample, drawn with keys of the prompt's own seed and the token's position, so a sample does not
+depend on the rows, the chunk or the order prompts are answered in.
 """
 
 import dataclasses
@@ -44,49 +46,67 @@ class Finished:
   seconds: float
 
 
-def _ended(tokens, counts, max_new_tokens: int, eos: tuple[int, ...]):
+def _ended(tokens, counts, max_new_tokens: int, sampling: rounds_lib.Sampling):
   """Rows whose response ends with ``tokens`` (just written, ``counts`` tokens so far)."""
-  return rounds_lib.Sampling(eos=eos).is_eos(tokens) | (counts >= max_new_tokens)
+  return sampling.is_eos(tokens) | (counts >= max_new_tokens)
+
+
+def _next(logits, seeds, counts, sampling: rounds_lib.Sampling):
+  """Each row's next token (``counts``: tokens it has so far): the argmax, or a sample with the
+  key of (its prompt's seed, its position)."""
+  if sampling.temperature == 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
+  return jax.vmap(lambda lg, k: sampling.sample(lg[None], k)[0])(logits, keys)
 
 
 @functools.partial(
-  jax.jit, static_argnames=('capacity', 'max_new_tokens', 'eos'), donate_argnames=('state',)
+  jax.jit, static_argnames=('capacity', 'max_new_tokens', 'sampling'), donate_argnames=('state',)
 )
 def _fill_row(
-  target, state, prompt, prompt_len, row, capacity: int, max_new_tokens: int, eos: tuple[int, ...]
+  target,
+  state,
+  prompt,
+  prompt_len,
+  row,
+  seed,
+  capacity: int,
+  max_new_tokens: int,
+  sampling: rounds_lib.Sampling,
 ):
   """Prefills ``prompt`` (``int32[1, Pb]``) into cache row ``row``; its first token is the
-  prefill's argmax."""
-  cache, tok, done, counts, out = state
+  prefill's argmax (or sample, with the prompt's ``seed``)."""
+  cache, tok, done, counts, out, seeds = state
   small, last_logits, _ = rounds_lib.prefill(target, prompt, prompt_len[None], capacity)
   cache = jax.tree.map(
     lambda big, one: jax.lax.dynamic_update_slice_in_dim(big, one.astype(big.dtype), row, 0),
     cache,
     small,
   )
-  first = jnp.argmax(last_logits[0]).astype(jnp.int32)
+  first = _next(last_logits, seed[None], jnp.zeros((1,), jnp.int32), sampling)[0]
   out = out.at[row].set(jnp.zeros_like(out[row]).at[0].set(first))
-  done = done.at[row].set(_ended(first, 1, max_new_tokens, eos))
-  return cache, tok.at[row].set(first), done, counts.at[row].set(1), out
+  done = done.at[row].set(_ended(first, 1, max_new_tokens, sampling))
+  state = (cache, tok.at[row].set(first), done, counts.at[row].set(1), out, seeds.at[row].set(seed))
+  return state
 
 
 @functools.partial(
-  jax.jit, static_argnames=('steps', 'max_new_tokens', 'eos'), donate_argnames=('state',)
+  jax.jit, static_argnames=('steps', 'max_new_tokens', 'sampling'), donate_argnames=('state',)
 )
-def _decode(target, state, steps: int, max_new_tokens: int, eos: tuple[int, ...]):
-  """``steps`` greedy steps of every row; a finished row keeps its cache length and output."""
+def _decode(target, state, steps: int, max_new_tokens: int, sampling: rounds_lib.Sampling):
+  """``steps`` steps of every row; a finished row keeps its cache length and output."""
 
   def body(_, carry):
-    cache, tok, done, counts, out = carry
+    cache, tok, done, counts, out, seeds = carry
     step = target.forward(tok[:, None], cache)
-    nxt = jnp.argmax(target.lm_logits(step.hidden[:, 0]), axis=-1).astype(jnp.int32)
+    nxt = _next(target.lm_logits(step.hidden[:, 0]), seeds, counts, sampling)
     live = ~done
     slot = jnp.where(live, counts, max_new_tokens)  # out of bounds: dropped
     out = out.at[jnp.arange(out.shape[0]), slot].set(nxt, mode='drop')
     counts = counts + live.astype(jnp.int32)
-    done = done | (live & _ended(nxt, counts, max_new_tokens, eos))
+    done = done | (live & _ended(nxt, counts, max_new_tokens, sampling))
     cache = step.cache.replace(lengths=jnp.where(live, step.cache.lengths, cache.lengths))
-    return cache, nxt, done, counts, out
+    return cache, nxt, done, counts, out, seeds
 
   return jax.lax.fori_loop(0, steps, body, state)
 
@@ -101,8 +121,11 @@ def generate(
   chunk: int = 32,
   capacity: int | None = None,
   on_finished: Callable[[Finished], None] | None = None,
+  temperature: float = 0.0,
+  top_p: float = 1.0,
+  seed_of: Callable[[int], int] | None = None,
 ) -> list[Finished]:
-  """Greedy responses of ``prompts`` (1-D token ids), ``rows`` decoded side by side.
+  """Greedy (or sampled) responses of ``prompts`` (1-D token ids), ``rows`` decoded side by side.
 
   ``prompts`` is drawn lazily, one prompt each time a row is free, so it may be a generator that
   yields prompts made from responses already finished (a conversation's next turn, queued by
@@ -118,6 +141,10 @@ def generate(
     capacity: cache positions of a row; default: the longest prompt (``prompts`` must then be a
       sequence) rounded up to :data:`PROMPT_BUCKET`, plus ``max_new_tokens``.
     on_finished: called with each response as it ends (e.g. to append it to a file).
+    temperature, top_p: > 0: sample (:func:`jetspec_jax.verify.sample_tokens`); token ``t`` of
+      a response with the key ``fold_in(key(seed), t)``.
+    seed_of: the seed (an int below 2**31) of the prompt drawn ``index``-th (default: its
+      index): a prompt keeps its sample when the stream's order changes (e.g. a resumed run).
 
   Returns:
     The responses, in the order they finished.
@@ -127,6 +154,7 @@ def generate(
     raise ValueError('refill generation needs stop ids (eos)')
   if max_new_tokens < 1:
     raise ValueError(f'max_new_tokens={max_new_tokens} must be >= 1')
+  sampling = rounds_lib.Sampling(temperature=float(temperature), top_p=float(top_p), eos=eos)
   if capacity is None:
     if not isinstance(prompts, Sequence):
       raise ValueError('a prompt stream needs capacity= (its longest prompt is not known)')
@@ -140,6 +168,7 @@ def generate(
     jnp.ones((rows,), bool),
     jnp.zeros((rows,), jnp.int32),
     jnp.zeros((rows, max_new_tokens), jnp.int32),
+    jnp.zeros((rows,), jnp.int32),  # each row's prompt seed
   )
   owner = [-1] * rows  # the prompt each row decodes (-1: none)
   seconds = [0.0] * rows
@@ -163,11 +192,20 @@ def generate(
         f'max_new_tokens={max_new_tokens} (prompts are padded to {PROMPT_BUCKET})'
       )
     owner[row], drawn = drawn, drawn + 1
+    seed = owner[row] if seed_of is None else int(seed_of(owner[row]))
     padded = np.zeros((1, padded_length(len(ids))), np.int32)
     padded[0, : len(ids)] = ids
     start = time.perf_counter()
     state = _fill_row(
-      target, state, padded, np.int32(len(ids)), np.int32(row), capacity, max_new_tokens, eos
+      target,
+      state,
+      padded,
+      np.int32(len(ids)),
+      np.int32(row),
+      np.int32(seed),
+      capacity,
+      max_new_tokens,
+      sampling,
     )
     jax.block_until_ready(state)
     seconds[row] = time.perf_counter() - start
@@ -182,7 +220,7 @@ def generate(
         return finished
       raise ValueError('the prompt stream has nothing to ask and no response is in flight')
     start = time.perf_counter()
-    state = _decode(target, state, chunk, max_new_tokens, eos)
+    state = _decode(target, state, chunk, max_new_tokens, sampling)
     done, counts = jax.device_get((state[2], state[3]))
     share = (time.perf_counter() - start) / len(live)
     for row in live:

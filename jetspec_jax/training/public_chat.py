@@ -16,12 +16,12 @@ import dataclasses
 import json
 import re
 import time
+import zlib
 
 import numpy as np
 from absl import logging
 from etils import epath
 
-from jetspec_jax import decoding, methods
 from jetspec_jax.evaluation import contamination, prompt_sets, refill
 from jetspec_jax.training import shards as shards_lib
 
@@ -242,10 +242,11 @@ def generate(
   ``max_prompt_len`` tokens is not asked (nor the conversation's later turns). Each shard's
   conversation ids go beside it (``shard_*.ids.json``).
 
-  Greedy conversations are one stream of prompts through ``batch_size`` cache rows refilled as
-  answers end (:func:`_greedy_stream`), ``block_shards`` shards at a time; a conversation's next
-  turn is asked as soon as its answer ends. Sampled conversations follow each block in their
-  share (batched sampling, :func:`_sampled_shard`). Shards are claimed while they are written
+  Each kind's conversations are one stream of prompts through ``batch_size`` cache rows refilled
+  as answers end (:func:`_stream`), ``block_shards`` greedy shards at a time, then the sampled
+  ones in the same share of theirs; a conversation's next turn is asked as soon as its answer
+  ends. A sampled answer's keys come from (``seed``, conversation, turn), so a resumed run asks
+  the same. Shards are claimed while they are written
   (:class:`~jetspec_jax.training.shards.ShardClaim`), so processes started side by side split
   the work, and a rerun resumes at the first turn not written. Returns the sequences written
   by this call.
@@ -257,32 +258,33 @@ def generate(
     kind: [(s, convs[i : i + shard_size]) for s, i in enumerate(range(0, len(convs), shard_size))]
     for kind, convs in kinds.items()
   }
-  common = dict(max_turns=max_turns, max_new_tokens=max_new_tokens, max_prompt_len=max_prompt_len)
+  common = dict(
+    rows=batch_size,
+    max_turns=max_turns,
+    max_new_tokens=max_new_tokens,
+    max_prompt_len=max_prompt_len,
+  )
+  sampled_kwargs = dict(temperature=temperature, top_p=top_p if temperature else 1.0, seed=seed)
   written = {'greedy': 0, 'sampled': 0}
   greedy, sampled = shards['greedy'], shards['sampled']
   sampled_done = 0
   for b in range(0, max(len(greedy), 1), block_shards):
     block = greedy[b : b + block_shards]
-    written['greedy'] += _greedy_stream(target, tok, block, data_dir, rows=batch_size, **common)
+    written['greedy'] += _stream(target, tok, 'greedy', block, data_dir, **common)
     # the sampled shards in the same share of theirs as the greedy ones done (all after the last)
     last = b + block_shards >= len(greedy)
     share = len(sampled) if last else -(-(b + len(block)) * len(sampled) // len(greedy))
-    for s, chunk in sampled[sampled_done:share]:
-      written['sampled'] += _sampled_shard(
-        target,
-        tok,
-        s,
-        chunk,
-        data_dir,
-        batch_size=batch_size,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        **common,
-      )
+    written['sampled'] += _stream(
+      target, tok, 'sampled', sampled[sampled_done:share], data_dir, **common, **sampled_kwargs
+    )
     sampled_done = max(sampled_done, share)
     logging.info('conversation shards: %d greedy, %d sampled done', b + len(block), sampled_done)
   return written
+
+
+def answer_seed(seed: int, conv_id: str, turn: int) -> int:
+  """The sampling seed of one answer: of (run seed, conversation, turn) only."""
+  return zlib.crc32(f'{seed}/{conv_id}/{turn}'.encode()) & 0x7FFFFFFF
 
 
 def _turn_prompt(tok, conv, turn, answers, max_turns, max_prompt_len) -> np.ndarray | None:
@@ -295,11 +297,11 @@ def _turn_prompt(tok, conv, turn, answers, max_turns, max_prompt_len) -> np.ndar
 
 
 class _ShardInFlight:
-  """One greedy conversation shard being answered: the answers so far, and which turns are
+  """One conversation shard being answered: the answers so far, and which turns are
   written."""
 
-  def __init__(self, data_dir, s, chunk, claim, max_turns):
-    self.data_dir, self.s, self.chunk, self.claim = data_dir, s, chunk, claim
+  def __init__(self, data_dir, kind, s, chunk, claim, max_turns):
+    self.data_dir, self.kind, self.s, self.chunk, self.claim = data_dir, kind, s, chunk, claim
     self.answers = {c.conv_id: [] for c in chunk}
     self.asking = {}  # conversation id -> the turn it is being asked (absent: it has ended)
     self.rows = {t: {} for t in range(1, max_turns + 1)}  # turn -> id -> (prompt, response)
@@ -307,7 +309,7 @@ class _ShardInFlight:
     self.max_turns = max_turns
 
   def path(self, turn):
-    return shard_path(self.data_dir, 'greedy', turn, self.s)
+    return shard_path(self.data_dir, self.kind, turn, self.s)
 
   def write_ready(self, max_len) -> int:
     """Writes every turn whose answers are all in (the turns before it written); returns the
@@ -328,14 +330,27 @@ class _ShardInFlight:
     return self.next_to_write > self.max_turns
 
 
-def _greedy_stream(
-  target, tok, shards, data_dir, *, rows, max_turns, max_new_tokens, max_prompt_len
+def _stream(
+  target,
+  tok,
+  kind,
+  shards,
+  data_dir,
+  *,
+  rows,
+  max_turns,
+  max_new_tokens,
+  max_prompt_len,
+  temperature=0.0,
+  top_p=1.0,
+  seed=0,
 ) -> int:
-  """Answers the greedy conversation ``shards`` ((index, conversations) pairs) as one stream
-  through refilled cache rows (:func:`jetspec_jax.evaluation.refill.generate`): a shard is taken
-  when the stream has nothing else to ask, each conversation's next turn is queued when its
-  answer ends, and a shard's turn is written once all its answers are in. A shard whose turns
-  are partly written resumes at the first one missing. Returns the sequences written."""
+  """Answers the conversation ``shards`` ((index, conversations) pairs) of ``kind`` as one stream
+  through refilled cache rows (:func:`jetspec_jax.evaluation.refill.generate`; sampled at
+  ``temperature`` > 0): a shard is taken when the stream has nothing else to ask, each
+  conversation's next turn is queued when its answer ends, and a shard's turn is written once
+  all its answers are in. A shard whose turns are partly written resumes at the first one
+  missing. Returns the sequences written."""
   max_len = max_prompt_len + max_new_tokens
   pending = collections.deque()  # (shard, conversation, turn, prompt ids)
   drawn = []  # the stream's prompts in the order refill draws them
@@ -358,7 +373,8 @@ def _greedy_stream(
     if shard.next_to_write > before:
       seconds = time.perf_counter() - answered[1]
       logging.info(
-        'greedy shard %d: turns %d-%d written; stream: %d response tokens, %.1f tokens/s',
+        '%s shard %d: turns %d-%d written; stream: %d response tokens, %.1f tokens/s',
+        kind,
         shard.s,
         before,
         shard.next_to_write - 1,
@@ -370,14 +386,14 @@ def _greedy_stream(
       in_flight.remove(shard)
 
   def open_shard(s, chunk) -> bool:
-    shard = _ShardInFlight(data_dir, s, chunk, None, max_turns)
+    shard = _ShardInFlight(data_dir, kind, s, chunk, None, max_turns)
     while shard.next_to_write <= max_turns and shard.path(shard.next_to_write).exists():
       for conv_id, text in read_answers(tok, shard.path(shard.next_to_write)).items():
         shard.answers[conv_id].append(text)
       shard.next_to_write += 1
     if shard.done:
       return False
-    shard.claim = shards_lib.ShardClaim(epath.Path(data_dir) / 'greedy' / f'conversations_{s:05d}')
+    shard.claim = shards_lib.ShardClaim(epath.Path(data_dir) / kind / f'conversations_{s:05d}')
     if not shard.claim.__enter__():
       return False  # another process is on it
     in_flight.append(shard)
@@ -419,62 +435,11 @@ def _greedy_stream(
       rows=rows,
       capacity=refill.padded_length(max_prompt_len) + max_new_tokens,
       on_finished=finished,
+      temperature=temperature,
+      top_p=top_p,
+      seed_of=lambda i: answer_seed(seed, drawn[i][1].conv_id, drawn[i][2]),
     )
   finally:
     for shard in in_flight:
       shard.claim.__exit__(None, None, None)
-  return written
-
-
-def _sampled_shard(
-  target,
-  tok,
-  s,
-  chunk,
-  data_dir,
-  *,
-  max_turns,
-  batch_size,
-  max_new_tokens,
-  max_prompt_len,
-  temperature,
-  top_p,
-  seed,
-) -> int:
-  """Answers one sampled conversation shard turn by turn (batched AR sampling; a turn's batch
-  runs to its longest answer). Returns the sequences written."""
-  answers: dict[str, list[str]] = {c.conv_id: [] for c in chunk}
-  written = 0
-  for turn in range(1, max_turns + 1):
-    path = shard_path(data_dir, 'sampled', turn, s)
-    if not path.exists():
-      with shards_lib.ShardClaim(path) as claimed:
-        if not claimed:
-          return written  # another process is on this shard
-        if not path.exists():
-          asked = [
-            (c.conv_id, ids)
-            for c in chunk
-            if (ids := _turn_prompt(tok, c, turn, answers[c.conv_id], max_turns, max_prompt_len))
-            is not None
-          ]
-          rows = []
-          for b in range(0, len(asked), batch_size):
-            batch = asked[b : b + batch_size]
-            outs = decoding.generate(
-              target,
-              None,
-              [ids for _, ids in batch],
-              method=methods.AR(),
-              max_new_tokens=max_new_tokens,
-              temperature=temperature,
-              top_p=top_p if temperature else 1.0,
-              seed=seed * 100_003 + s * 1_009 + turn + b,
-              eos_id=sorted(tok.eos_ids),
-            )
-            rows += [(c, ids, out.tokens) for (c, ids), out in zip(batch, outs, strict=True)]
-          write_turn(path, rows, max_prompt_len + max_new_tokens)
-          written += len(rows)
-    for conv_id, text in read_answers(tok, path).items():
-      answers[conv_id].append(text)
   return written
