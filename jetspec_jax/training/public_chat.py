@@ -385,22 +385,21 @@ def _stream(
       shard.claim.__exit__(None, None, None)
       in_flight.remove(shard)
 
-  def open_shard(s, chunk) -> bool:
+  def open_shard(s, chunk) -> None:
     shard = _ShardInFlight(data_dir, kind, s, chunk, None, max_turns)
     while shard.next_to_write <= max_turns and shard.path(shard.next_to_write).exists():
       for conv_id, text in read_answers(tok, shard.path(shard.next_to_write)).items():
         shard.answers[conv_id].append(text)
       shard.next_to_write += 1
     if shard.done:
-      return False
+      return
     shard.claim = shards_lib.ShardClaim(epath.Path(data_dir) / kind / f'conversations_{s:05d}')
     if not shard.claim.__enter__():
-      return False  # another process is on it
+      return  # another process is on it
     in_flight.append(shard)
     for conv in chunk:
       ask_next(shard, conv, shard.next_to_write)
     settle(shard)
-    return True
 
   def stream():
     todo = iter(shards)
