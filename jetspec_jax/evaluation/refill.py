@@ -86,8 +86,7 @@ def _fill_row(
   first = _next(last_logits, seed[None], jnp.zeros((1,), jnp.int32), sampling)[0]
   out = out.at[row].set(jnp.zeros_like(out[row]).at[0].set(first))
   done = done.at[row].set(_ended(first, 1, max_new_tokens, sampling))
-  state = (cache, tok.at[row].set(first), done, counts.at[row].set(1), out, seeds.at[row].set(seed))
-  return state
+  return cache, tok.at[row].set(first), done, counts.at[row].set(1), out, seeds.at[row].set(seed)
 
 
 @functools.partial(
@@ -162,14 +161,18 @@ def generate(
       return []
     capacity = padded_length(max(len(p) for p in prompts)) + max_new_tokens
     rows = min(rows, len(prompts))
-  state = (
-    target.make_cache(rows, capacity),
-    jnp.zeros((rows,), jnp.int32),
-    jnp.ones((rows,), bool),
-    jnp.zeros((rows,), jnp.int32),
-    jnp.zeros((rows, max_new_tokens), jnp.int32),
-    jnp.zeros((rows,), jnp.int32),  # each row's prompt seed
-  )
+
+  def empty_rows():
+    return (
+      target.make_cache(rows, capacity),
+      jnp.zeros((rows,), jnp.int32),
+      jnp.ones((rows,), bool),
+      jnp.zeros((rows,), jnp.int32),
+      jnp.zeros((rows, max_new_tokens), jnp.int32),
+      jnp.zeros((rows,), jnp.int32),  # each row's prompt seed
+    )
+
+  state = None  # made with the first prompt: a stream with nothing to ask allocates no cache
   owner = [-1] * rows  # the prompt each row decodes (-1: none)
   seconds = [0.0] * rows
   source = iter(prompts)
@@ -193,6 +196,8 @@ def generate(
       )
     owner[row], drawn = drawn, drawn + 1
     seed = owner[row] if seed_of is None else int(seed_of(owner[row]))
+    if state is None:
+      state = empty_rows()
     padded = np.zeros((1, padded_length(len(ids))), np.int32)
     padded[0, : len(ids)] = ids
     start = time.perf_counter()
@@ -229,7 +234,6 @@ def generate(
         continue
       tokens = np.asarray(jax.device_get(state[4][row, : counts[row]]))
       result = Finished(owner[row], tokens, seconds[row])
-      owner[row] = -1
       finished.append(result)
       if on_finished is not None:
         on_finished(result)
