@@ -162,6 +162,9 @@ def head_config(head_config, target_cfg: decoder.DecoderConfig) -> dh.DraftHeadC
 PROMPT_SOURCES = ('random', 'stdlib_functions', 'chat_mix', 'public_chat')  # else a JSON-lines file
 
 
+MIX_FIELDS = ('dir', 'max_len', 'features_dir', 'weight')  # a data.mix entry's fields
+
+
 def check_config(config) -> None:
   """Raises ValueError for a config that would fail after hours of data generation or training:
   unknown loss, labels, compute dtype, target dtype or evaluation method, a loss or method that
@@ -217,9 +220,6 @@ def check_config(config) -> None:
       )
   if mixed and sum(m['weight'] for m in mixed) >= 1:
     raise ValueError('the data.mix weights must leave data.dir a share: their sum must be < 1')
-
-
-MIX_FIELDS = ('dir', 'max_len', 'features_dir', 'weight')
 
 
 def mixed_sources(config, target: decoder.Target, skip_per_dir: int, target_labels: bool) -> list:
