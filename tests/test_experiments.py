@@ -82,6 +82,27 @@ def test_benchmark_runs_on_tiny_config(tmp_path):
   assert (tmp_path / 'benchmark.md').exists() and (tmp_path / 'benchmark.png').exists()
 
 
+def test_benchmark_times_every_greedy_setting_on_a_second_target_precision(tmp_path):
+  config = benchmark_config.get_config('tiny')
+  config.update(temperatures=(0.0,), batch_sizes=(), round_cost_batches=(), peers=())
+  config.targets = ('float32', 'bfloat16x2')
+  result = decode_benchmark.run(config, str(tmp_path))
+  by_target = {}
+  for r in result['rows']:
+    by_target.setdefault(r['target'], []).append(r)
+  f32 = {r['setting'] for r in by_target['float32']}
+  assert {r['setting'] for r in by_target['bfloat16x2']} == {f'bfloat16x2:{s}' for s in f32}
+  prompts = sum(result['num_prompts'].values())
+  for r in by_target['bfloat16x2']:
+    assert 0 <= r['equal_to_float32_ar'] <= prompts and r['speedup'] > 0
+  labels = {(p['target'], p['setting']) for p in result['per_prompt']}
+  assert ('bfloat16x2', 'bfloat16x2:ar') in labels and ('float32', 'ar') in labels
+  assert set(result['provenance']['weights_sha256']) == {'target', 'jetspec', 'dflash'}
+  config.targets = ('bfloat16x2',)
+  with pytest.raises(ValueError, match='start with float32'):
+    decode_benchmark.run(config, str(tmp_path))
+
+
 def test_tree_attention_benchmark_runs_on_tiny_config(tmp_path):
   from experiments.configs.microbench import tree_attention
   from experiments.tasks import kernel_bench

@@ -76,6 +76,26 @@ class Setting:
     )
 
 
+TARGET_PRECISIONS = ('float32', 'bfloat16', 'bfloat16x2', 'bfloat16x2+bf16_prefill')
+
+
+def target_precision(float32, name: str):
+  """The float32 target, or it with bfloat16 weight matrices (float32 accumulation): each
+  projection's input rounded to bfloat16 (``bfloat16``) or split into two bfloat16 halves
+  (``bfloat16x2``; activations, norms and the KV cache stay float32), the split one with its
+  prompt forward in rounded bfloat16 (``bfloat16x2+bf16_prefill``)."""
+  if name == 'float32':
+    return float32
+  if name == 'bfloat16':
+    return float32.with_weight_dtype('bfloat16')
+  if name == 'bfloat16x2':
+    return float32.with_weight_dtype('bfloat16', split_inputs=True)
+  if name == 'bfloat16x2+bf16_prefill':
+    split = float32.with_weight_dtype('bfloat16', split_inputs=True)
+    return split.with_prefill_compute_dtype('bfloat16')
+  raise ValueError(f'unknown target precision {name!r}; known: {", ".join(TARGET_PRECISIONS)}')
+
+
 def head_settings(
   heads: Sequence[str],
   budgets: Sequence[int],

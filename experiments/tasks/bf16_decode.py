@@ -49,17 +49,9 @@ def run(out_dir: str | None) -> dict:
   path = js.model_cache.resolve_model_path(FLAGS.target)
   tok = js.load_tokenizer(path)
   float32 = js.load_target(path)
-  variants = {
-    'float32': lambda: float32,
-    'bfloat16': lambda: float32.with_weight_dtype('bfloat16'),
-    'bfloat16x2': lambda: float32.with_weight_dtype('bfloat16', split_inputs=True),
-    'bfloat16x2+bf16_prefill': lambda: float32.with_weight_dtype(
-      'bfloat16', split_inputs=True
-    ).with_prefill_compute_dtype('bfloat16'),
-  }
   if 'float32' not in FLAGS.targets:
     raise ValueError('--targets must include float32 (the AR every speedup is measured against)')
-  targets = {name: variants[name]() for name in FLAGS.targets}
+  targets = {name: bench.target_precision(float32, name) for name in FLAGS.targets}
   heads = {
     (name, dtype): {'jetspec': js.load_draft_head(FLAGS.head, t).with_compute_dtype(dtype)}
     for name, t in targets.items()

@@ -29,7 +29,7 @@ import jetspec_jax as js
 from experiments.tasks import bench, peers
 from jetspec_jax import corpus, sharding
 from jetspec_jax import prompts as prompts_lib
-from jetspec_jax.evaluation import prompt_sets, responses
+from jetspec_jax.evaluation import prompt_sets, provenance, responses
 from jetspec_jax.training import chat_prompts
 
 
@@ -87,10 +87,24 @@ def config_settings(config, kinds: dict[str, str], temperature: float) -> list[b
 
 
 def run(config, workdir: str) -> dict:
+  # Greedy settings run on every target precision in ``config.targets`` (float32 first: the AR
+  # every speedup is measured against, and the one whose outputs must equal AR's).
+  precisions = tuple(config.get('targets', ('float32',)))
+  if not precisions or precisions[0] != 'float32':
+    raise ValueError(f'config.targets must start with float32, got {precisions}')
   model_path = js.model_cache.resolve_model_path(config.target)
-  target = js.load_target(model_path)
+  float32 = js.load_target(model_path)
   tok = js.load_tokenizer(model_path)
-  heads = {name: js.load_draft_head(path, target) for name, path in config.heads.items()}
+  targets = {name: bench.target_precision(float32, name) for name in precisions}
+  drafting = config.get('head_compute_dtype') or None  # the heads' projection inputs
+  heads_of = {
+    name: {
+      h: js.load_draft_head(path, t).with_compute_dtype(drafting)
+      for h, path in config.heads.items()
+    }
+    for name, t in targets.items()
+  }
+  target, heads = float32, heads_of['float32']
   groups = load_prompt_groups(config, tok)
   prompts = [(group, p) for group, ps in groups.items() for p in ps]
   ids = [p for _, p in prompts]
@@ -104,22 +118,25 @@ def run(config, workdir: str) -> dict:
   rows, per_prompt, ar_tokens = [], [], None
   for temperature in config.temperatures:
     runs = settings if temperature == 0 else sampled
+    on = precisions if temperature == 0 else ('float32',)  # sampled: float32 only
+    labelled = {(name, s): (targets[name], heads_of[name], s) for name in on for s in runs}
     common = dict(
       max_new_tokens=config.max_new_tokens, temperature=temperature, shapes=shapes, eos_id=eos
     )
     if config.get('interleave', False):  # prompt by prompt: speed drift hits every setting alike
-      logging.info('T=%s: %d settings, interleaved', temperature, len(runs))
-      outputs = bench.measure_interleaved(target, heads, runs, ids, **common)
+      logging.info('T=%s: %d settings, interleaved', temperature, len(labelled))
+      outputs = bench.measure_runs(labelled, ids, **common)
     else:
       outputs = {}
-      for setting in tqdm(runs, desc=f'T={temperature}', unit='setting'):
-        outputs[setting.name] = bench.measure(target, heads, setting, ids, **common)
-    ar = outputs['ar']
+      for label in tqdm(labelled, desc=f'T={temperature}', unit='setting'):
+        target_here, heads_here, setting = labelled[label]
+        outputs[label] = bench.measure(target_here, heads_here, setting, ids, **common)
+    ar = outputs[('float32', bench.Setting())]
     if temperature == 0:
       ar_tokens = [o.tokens for o in ar]
-    for setting in runs:
-      outs = outputs[setting.name]
-      if temperature == 0:
+    for name, setting in labelled:
+      outs = outputs[(name, setting)]
+      if temperature == 0 and name == 'float32':
         bench.check_lossless(setting.name, outs, ar)
       by_group = {}
       for group in groups:
@@ -131,12 +148,20 @@ def run(config, workdir: str) -> dict:
           if k != 'tau_histogram'
         }
       summary = bench.summarize(outs, sum(o.stats.wall_s for o in ar))
-      rows.append(dict(temperature=temperature, **setting.row(), **summary, groups=by_group))
+      # Another precision's greedy outputs are counted, not asserted: a near-tie may flip.
+      extra = {} if len(precisions) == 1 else dict(target=name)
+      if name != 'float32' and temperature == 0:
+        extra['equal_to_float32_ar'] = bench.count_equal(outs, ar)
+      row = setting.row()
+      label = row['setting'] if name == 'float32' else f'{name}:{setting.name}'
+      row['setting'] = label
+      rows.append(dict(temperature=temperature, **row, **extra, **summary, groups=by_group))
       logging.info('%s', {k: v for k, v in rows[-1].items() if k != 'groups'})
       per_prompt += [
         dict(
           temperature=temperature,
-          setting=setting.name,
+          setting=label,
+          **({} if len(precisions) == 1 else dict(target=name)),
           prompt_set=group,
           prompt=i,
           tokens=int(out.stats.new_tokens),
@@ -150,8 +175,10 @@ def run(config, workdir: str) -> dict:
   peer_rows = run_peers(config, model_path, prompts, peer_eos, rows, ar_tokens)
   batch_rows = run_batches(config, target, heads, ids, shapes, {s.name: s for s in settings})
   cost_rows = run_round_costs(config, target, heads, shapes, {s.name: s for s in settings})
+  weights = {h: provenance.weights_sha256(path) for h, path in config.heads.items()}
+  weights['target'] = provenance.weights_sha256(model_path)
   result = dict(
-    **bench.envelope(config),
+    **bench.envelope(config, weights),
     num_prompts={k: len(v) for k, v in groups.items()},
     rows=rows,
     peer_rows=peer_rows,
@@ -351,6 +378,7 @@ def plot(rows, out: pathlib.Path) -> None:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
+  rows = [r for r in rows if r.get('target', 'float32') == 'float32']  # one line per setting
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
   for temperature in sorted({r['temperature'] for r in rows}):
     trees = [r for r in rows if r['method'] == 'tree' and r['temperature'] == temperature]

@@ -306,6 +306,51 @@ def accel(records: dict[str, dict], arg: str | None) -> str:
   return '\n'.join(lines) + '\n'
 
 
+def wallclock(records: dict[str, dict], arg: str | None) -> str:
+  """A decoding benchmark's speed table (``experiments/tasks/decode_benchmark.py``): per target
+  precision and setting, tau, tokens/s with its spread over prompts, the speedup over the
+  float32 AR with its spread over prompt sets, outputs equal to the float32 AR; then the peers."""
+  ((source, result),) = records.items()
+  prov = result['provenance']
+  prompts = sum(result['num_prompts'].values())
+  walls = {}
+  for p in result['per_prompt']:
+    if p['temperature'] == 0:
+      walls.setdefault(p['setting'], []).append(p['tokens'] / p['wall_s'])
+  lines = [
+    '| target | setting | tau | tokens/s (min-max over prompts) | speedup over float32 AR '
+    '(min-max over sets) | outputs equal to float32 AR |',
+    '|---|---|---|---|---|---|',
+  ]
+  for r in result['rows']:
+    if r['temperature'] != 0:
+      continue
+    target = r.get('target', 'float32')
+    setting = r['setting'].removeprefix(f'{target}:')
+    tps = walls[r['setting']]
+    by_set = [g['speedup'] for g in r['groups'].values()]
+    equal = r.get('equal_to_float32_ar', prompts)  # float32: asserted equal when measured
+    lines.append(
+      f'| {target} | {setting} | {r["tau"]:.2f} | {r["tps"]:.1f} ({min(tps):.1f}-{max(tps):.1f}) '
+      f'| {r["speedup"]:.2f}x ({min(by_set):.2f}-{max(by_set):.2f}) | {equal}/{prompts} |'
+    )
+  peers = [
+    f'{r["setting"]} {r["tps"]:.1f} tokens/s (leading tokens equal to our AR: {r["agreement"]:.0%})'
+    for r in result.get('peer_rows', [])
+  ]
+  config = result['config']
+  lines += [
+    '',
+    f'{prompts} prompts ({", ".join(f"{k} {v}" for k, v in result["num_prompts"].items())}), '
+    f'up to {config["max_new_tokens"]} new tokens each, greedy, the settings of every target '
+    f'interleaved prompt by prompt in one process; heads drafting in '
+    f'{config.get("head_compute_dtype") or "float32"}.'
+    + (f' Peers on the same prompts and model file: {"; ".join(peers)}.' if peers else '')
+    + f' {_machine(prov)}.',
+  ]
+  return '\n'.join(lines) + '\n'
+
+
 def data_sizes(records: dict[str, dict], arg: str | None) -> str:
   """A data card's table (``jetspec_jax/training/data_sizes.py``): per directory of shards."""
   ((source, result),) = records.items()
@@ -408,6 +453,7 @@ RENDERERS = dict(
   heldout=heldout,
   card_heldout_index=card_heldout_index,
   speed=speed,
+  wallclock=wallclock,
 )
 
 
