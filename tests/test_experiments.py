@@ -133,6 +133,14 @@ def test_build_features_binary_splits_the_cache_between_workers(tmp_path):
   assert len(list((tmp_path / 'cache').rglob('shard_00001.features.npy'))) == 1
   assert build_features.run(config, part=0, parts=2) == 1
   assert build_features.run(config) == 0
+  # A data.mix directory with its own cache is built too, split alike.
+  config.data.mix = [
+    dict(dir=str(tmp_path / 'data'), max_len=64, features_dir=str(tmp_path / 'mix'), weight=0.5)
+  ]
+  assert build_features.run(config, part=0, parts=2) == 1
+  assert len(list((tmp_path / 'mix').rglob('shard_00000.features.npy'))) == 1
+  assert build_features.run(config) == 1
+  assert build_features.run(config) == 0
   argv = ['build_features.py', '--config=c.py', '--workers=2']
   assert build_features.worker_command(argv, 1)[-3:] == [*argv[1:], '--part=1']
 

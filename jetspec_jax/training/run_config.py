@@ -79,28 +79,39 @@ def build_feature_cache(
   progress: bool = True,
 ) -> int:
   """Computes the missing cached features (``data.features_dir``) of the shards a run of
-  ``config`` reads: its held-out shards, then its training ones (``part`` of ``parts``: a share,
+  ``config`` reads: its held-out shards, then its training ones, then those of each ``data.mix``
+  directory with a ``features_dir`` of its own (each ``part`` of ``parts``: a share,
   :func:`features_lib.compute_features`). Returns how many shards were computed; 0 without a
   cache."""
-  features_dir = config.data.get('features_dir') or None
-  if not (features_dir and config.data.get('feature_taps')):  # features stored beside the shards
+  taps = tuple(config.data.get('feature_taps') or ())
+  if not taps:  # features stored beside the shards
     return 0
-  shards_per_dir = config.data.get('shards_per_dir') or None
-  if shards_per_dir is not None:
-    shards_per_dir += config.eval.get('heldout_shards', 0)
-  return features_lib.compute_features(
-    target,
-    data_dir,
-    features_dir,
-    tuple(config.data.feature_taps),
+  common = dict(
     batch_size=config.data.get('feature_batch', 8),
     progress=progress,
-    shards_per_dir=shards_per_dir,
-    prompt_rounds=config.data.get('prompt_rounds'),
     part=part,
     parts=parts,
     compute_dtype=config.data.get('features_compute_dtype', 'float32'),
   )
+  computed = 0
+  features_dir = config.data.get('features_dir') or None
+  if features_dir:
+    shards_per_dir = config.data.get('shards_per_dir') or None
+    if shards_per_dir is not None:
+      shards_per_dir += config.eval.get('heldout_shards', 0)
+    computed += features_lib.compute_features(
+      target,
+      data_dir,
+      features_dir,
+      taps,
+      shards_per_dir=shards_per_dir,
+      prompt_rounds=config.data.get('prompt_rounds'),
+      **common,
+    )
+  for m in config.data.get('mix') or ():
+    if m['features_dir']:
+      computed += features_lib.compute_features(target, m['dir'], m['features_dir'], taps, **common)
+  return computed
 
 
 def load_target_from_config(
