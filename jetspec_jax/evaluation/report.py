@@ -184,7 +184,8 @@ def render(result: dict, source: str) -> str:
   lines += [
     '',
     f'Time on this machine: {gen:.1f} h generating the responses (batched AR, each response '
-    f"counted at its share of its batch's time), {walked:.1f} h walking them.",
+    f"counted at its share of its batch's time), {walked:.1f} h walking them. Decoding's wall "
+    'clock on a subset of these prompts: docs/benchmarks.md, "Wall clock on this machine".',
   ]
   check = result.get('check')
   if check:
