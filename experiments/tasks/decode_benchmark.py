@@ -171,21 +171,26 @@ def run(config, workdir: str) -> dict:
         for i, ((group, _), out) in enumerate(zip(prompts, outs))
       ]
   # The peer stops where ``generate`` stops: the tokenizer's ids, else the config's EOS.
-  peer_eos = js.decoding.stop_ids(eos, target.cfg.eos_token_id)
-  peer_rows = run_peers(config, model_path, prompts, peer_eos, rows, ar_tokens)
-  batch_rows = run_batches(config, target, heads, ids, shapes, {s.name: s for s in settings})
-  cost_rows = run_round_costs(config, target, heads, shapes, {s.name: s for s in settings})
   weights = {h: provenance.weights_sha256(path) for h, path in config.heads.items()}
   weights['target'] = provenance.weights_sha256(model_path)
   result = dict(
     **bench.envelope(config, weights),
     num_prompts={k: len(v) for k, v in groups.items()},
     rows=rows,
-    peer_rows=peer_rows,
+    peer_rows=[],
     per_prompt=per_prompt,
-    batch_rows=batch_rows,
-    round_cost_rows=cost_rows,
+    batch_rows=[],
+    round_cost_rows=[],
   )
+  # The settings' rows are written as soon as they are measured; the file grows with each stage
+  # that follows, so a run stopped during the peers keeps what it measured.
+  write_outputs(result, pathlib.Path(workdir))
+  peer_eos = js.decoding.stop_ids(eos, target.cfg.eos_token_id)
+  result['peer_rows'] = run_peers(config, model_path, prompts, peer_eos, rows, ar_tokens)
+  write_outputs(result, pathlib.Path(workdir))
+  by_name = {s.name: s for s in settings}
+  result['batch_rows'] = run_batches(config, target, heads, ids, shapes, by_name)
+  result['round_cost_rows'] = run_round_costs(config, target, heads, shapes, by_name)
   write_outputs(result, pathlib.Path(workdir))
   return result
 
