@@ -65,7 +65,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     prompt_rounds=prompt_rounds,
   )
   # data.mix: more directories (e.g. long conversations), each at its own width and share
-  mixed = run_config.mixed_sources(config, target, heldout_shards, target_labels)
+  mixed = run_config.mixed_sources(config, heldout_shards, target_labels)
   sources = [source] + [s for s, _ in mixed]
   for s in sources:
     if s.feature_taps is not None and s.feature_taps != tuple(head_cfg.target_layer_ids):

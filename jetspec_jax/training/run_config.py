@@ -233,24 +233,14 @@ def check_config(config) -> None:
     raise ValueError('the data.mix weights must leave data.dir a share: their sum must be < 1')
 
 
-def mixed_sources(config, target: decoder.Target, skip_per_dir: int, target_labels: bool) -> list:
+def mixed_sources(config, skip_per_dir: int, target_labels: bool) -> list:
   """The data directories trained on beside ``data.dir`` (``data.mix``: each entry's ``dir`` of
   token shards, ``max_len`` its sequences' width, ``features_dir`` its own feature cache,
   ``weight`` its share of the batches) as (:class:`~jetspec_jax.training.shards.TokenShards`,
-  weight) pairs, their feature caches built first. Each directory's first ``skip_per_dir``
-  shards are held out, as ``data.dir``'s are."""
+  weight) pairs (their feature caches are built by :func:`build_feature_cache`). Each
+  directory's first ``skip_per_dir`` shards are held out, as ``data.dir``'s are."""
   out = []
   for m in config.data.get('mix') or ():
-    if m['features_dir'] and config.data.get('feature_taps'):
-      features_lib.compute_features(
-        target,
-        m['dir'],
-        m['features_dir'],
-        tuple(config.data.feature_taps),
-        batch_size=config.data.get('feature_batch', 8),
-        progress=False,
-        compute_dtype=config.data.get('features_compute_dtype', 'float32'),
-      )
     source = shards_lib.TokenShards(
       m['dir'],
       max_len=m['max_len'],
