@@ -151,3 +151,13 @@ def test_greedy_turns_are_the_targets_own_and_resume_at_the_first_missing(tok, t
   assert again['greedy'] == sum(len(c.turns) - 1 for c in convs[2:4])
   assert {p: p.read_bytes() for p in sorted(tmp_path.rglob('shard_*'))} == before
   assert not list(tmp_path.rglob('*.claim'))
+  # Every first turn before any second one (the data job's answer_turns), then the rest: the
+  # same files.
+  staged = tmp_path / 'staged'
+  first = public_chat.generate(target, tok, convs, staged, **{**kwargs, 'max_turns': 1})
+  assert first['greedy'] == len(convs)
+  assert {p.parent.name for p in staged.rglob('shard_*')} == {'turn1'}
+  public_chat.generate(target, tok, convs, staged, **kwargs)
+  assert {p.relative_to(staged): p.read_bytes() for p in sorted(staged.rglob('shard_*'))} == {
+    p.relative_to(tmp_path): b for p, b in before.items()
+  }

@@ -52,7 +52,9 @@ def generate_public_chat(config, target, data_dir: pathlib.Path) -> list[pathlib
     tokenizer,
     kept,
     data_dir,
-    max_turns=config.data.max_turns,
+    # answer_turns: answer only turns up to it for now (the selection stays that of max_turns, so
+    # a later run with more turns resumes each shard at its next turn)
+    max_turns=config.data.answer_turns or config.data.max_turns,
     shard_size=config.data.shard_size,
     batch_size=config.data.generate_batch,
     max_new_tokens=config.data.max_new_tokens,

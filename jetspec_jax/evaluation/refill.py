@@ -7,10 +7,11 @@ row-steps on finished rows. Here the rows decode ``chunk`` steps at a time on de
 chunks the host collects the rows that ended and prefills the next prompts into them, so every
 row-step but the stream's tail decodes a live response. A chunk attends over a window of the
 cache: the first positions the live rows reach in it (rounded up to :data:`WINDOW_BUCKET`), not
-the whole capacity, so a short response in a wide cache does not read its empty tail. Each row is the target's greedy decode of
-its own prompt (rows never read each other), as in :func:`jetspec_jax.decoding.generate`; or its
-sample, drawn with keys of the prompt's own seed and the token's position, so a sample does not
-depend on the rows, the chunk or the order prompts are answered in.
+the whole capacity, so a short response in a wide cache does not read its empty tail. Each row
+is the target's greedy decode of its own prompt (rows never read each other), as in
+:func:`jetspec_jax.decoding.generate`; or its sample, drawn with keys of the prompt's own seed and
+the token's position, so a sample does not depend on the rows, the chunk or the order prompts are
+answered in.
 """
 
 import dataclasses

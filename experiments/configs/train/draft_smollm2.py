@@ -203,6 +203,10 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
       prompts='public_chat',
       dir='data/public_chat',
       max_turns=3,
+      # > 0: answer only turns 1..answer_turns of each conversation (e.g. 1: every first turn
+      # before any second one); the conversations kept stay those of max_turns, and a run with
+      # a larger value resumes each shard at its next turn
+      answer_turns=0,
       max_prompt_len=2048,
       max_new_tokens=1024,
       max_len=3072,
