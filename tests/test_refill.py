@@ -127,25 +127,3 @@ def test_a_sample_is_its_prompts_own_whatever_the_rows_chunk_or_order():
   }  # seeds 0..4
   assert any(len(first[i]) != len(greedy[i]) or (first[i] != greedy[i]).any() for i in first)
   assert any(len(first[i]) != len(other[i]) or (first[i] != other[i]).any() for i in first)
-
-
-def test_a_wide_cache_decodes_over_the_window_its_rows_reach():
-  """A cache far wider than the responses need: chunks attend over the first window of it (a
-  multiple of ``WINDOW_BUCKET`` that every live row's next chunk fits in), and each response is
-  still the prompt's batch-of-one greedy decode."""
-  assert refill.window_for([3, 700], 32, 4096) == 2 * refill.WINDOW_BUCKET
-  assert refill.window_for([3, 480], 32, 4096) == refill.WINDOW_BUCKET
-  assert refill.window_for([3, 1000], 32, 1024) == 1024  # never past the capacity
-  target = testing.tiny_target(seed=5)
-  vocab = target.cfg.vocab_size
-  prompts = [testing.random_ids(20 + i, (3 + 9 * i,), vocab) for i in range(5)]
-  reference = [
-    decoding.generate(target, None, p, method=methods.AR(), max_new_tokens=10, eos_id=vocab - 1)
-    for p in prompts
-  ]
-  out = refill.generate(
-    target, prompts, max_new_tokens=10, eos=[vocab - 1], rows=2, chunk=4, capacity=1536
-  )
-  assert sorted(f.index for f in out) == list(range(len(prompts)))
-  for f in out:
-    np.testing.assert_array_equal(f.tokens, reference[f.index].tokens)

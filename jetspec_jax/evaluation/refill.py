@@ -5,13 +5,10 @@ Batched AR (:func:`jetspec_jax.rounds.ar_loop`) runs a batch until its longest r
 a batch holding one response that runs to the token cap and fifteen short ones spends most of its
 row-steps on finished rows. Here the rows decode ``chunk`` steps at a time on device; between
 chunks the host collects the rows that ended and prefills the next prompts into them, so every
-row-step but the stream's tail decodes a live response. A chunk attends over a window of the
-cache: the first positions the live rows reach in it (rounded up to :data:`WINDOW_BUCKET`), not
-the whole capacity, so a short response in a wide cache does not read its empty tail. Each row
-is the target's greedy decode of its own prompt (rows never read each other), as in
-:func:`jetspec_jax.decoding.generate`; or its sample, drawn with keys of the prompt's own seed and
-the token's position, so a sample does not depend on the rows, the chunk or the order prompts are
-answered in.
+row-step but the stream's tail decodes a live response. Each row is the target's greedy decode of
+its own prompt (rows never read each other), as in :func:`jetspec_jax.decoding.generate`; or its
+sample, drawn with keys of the prompt's own seed and the token's position, so a sample does not
+depend on the rows, the chunk or the order prompts are answered in.
 """
 
 import dataclasses
@@ -26,7 +23,6 @@ import numpy as np
 from jetspec_jax import rounds as rounds_lib
 
 PROMPT_BUCKET = 128  # prompts are padded to a multiple of it: one prefill program per bucket
-WINDOW_BUCKET = 512  # a chunk's cache window is a multiple of it: one decode program per window
 
 
 def padded_length(n: int) -> int:
@@ -78,16 +74,14 @@ def _fill_row(
   max_new_tokens: int,
   sampling: rounds_lib.Sampling,
 ):
-  """Prefills ``prompt`` (``int32[1, Pb]``) into the first ``Pb`` slots of cache row ``row``
-  (the slots after them keep what they held: a row reads only its first ``lengths`` slots); its
-  first token is the prefill's argmax (or sample, with the prompt's ``seed``)."""
-  del capacity  # the prefill's cache is only as wide as the padded prompt
+  """Prefills ``prompt`` (``int32[1, Pb]``) into cache row ``row``; its first token is the
+  prefill's argmax (or sample, with the prompt's ``seed``)."""
   cache, tok, done, counts, out, seeds = state
-  small, last_logits, _ = rounds_lib.prefill(target, prompt, prompt_len[None], prompt.shape[1])
-  cache = cache.replace(
-    k=tuple(_put_row(big, one, row) for big, one in zip(cache.k, small.k, strict=True)),
-    v=tuple(_put_row(big, one, row) for big, one in zip(cache.v, small.v, strict=True)),
-    lengths=jax.lax.dynamic_update_slice_in_dim(cache.lengths, small.lengths, row, 0),
+  small, last_logits, _ = rounds_lib.prefill(target, prompt, prompt_len[None], capacity)
+  cache = jax.tree.map(
+    lambda big, one: jax.lax.dynamic_update_slice_in_dim(big, one.astype(big.dtype), row, 0),
+    cache,
+    small,
   )
   first = _next(last_logits, seed[None], jnp.zeros((1,), jnp.int32), sampling)[0]
   out = out.at[row].set(jnp.zeros_like(out[row]).at[0].set(first))
@@ -95,47 +89,11 @@ def _fill_row(
   return cache, tok.at[row].set(first), done, counts.at[row].set(1), out, seeds.at[row].set(seed)
 
 
-def _put_row(big, one, row):
-  """``one`` (``[1, P, ...]``) written into row ``row`` of ``big`` at slot 0."""
-  start = (row,) + (0,) * (big.ndim - 1)
-  return jax.lax.dynamic_update_slice(big, one.astype(big.dtype), start)
-
-
-def window_for(lengths: Iterable[int], steps: int, capacity: int) -> int:
-  """The cache window a chunk of ``steps`` steps needs when its live rows hold ``lengths``
-  slots: their longest reach, rounded up to :data:`WINDOW_BUCKET`, at most ``capacity``."""
-  reach = max(lengths, default=0) + steps
-  return min(capacity, -(-reach // WINDOW_BUCKET) * WINDOW_BUCKET)
-
-
 @functools.partial(
-  jax.jit,
-  static_argnames=('steps', 'max_new_tokens', 'sampling', 'window'),
-  donate_argnames=('state',),
+  jax.jit, static_argnames=('steps', 'max_new_tokens', 'sampling'), donate_argnames=('state',)
 )
-def _decode(
-  target, state, steps: int, max_new_tokens: int, sampling: rounds_lib.Sampling, window: int
-):
-  """``steps`` steps of every row, attending over the cache's first ``window`` slots (every live
-  row's reach: :func:`window_for`; a finished row's writes past it are dropped); a finished row
-  keeps its cache length and output."""
-  full = state[0]
-  if window < full.capacity:
-    view = full.replace(
-      k=tuple(x[:, :window] for x in full.k), v=tuple(x[:, :window] for x in full.v)
-    )
-    cache, *rest = _decode_steps(target, (view, *state[1:]), steps, max_new_tokens, sampling)
-    cache = full.replace(
-      k=tuple(_put_row(b, s, 0) for b, s in zip(full.k, cache.k, strict=True)),
-      v=tuple(_put_row(b, s, 0) for b, s in zip(full.v, cache.v, strict=True)),
-      lengths=cache.lengths,
-    )
-    return (cache, *rest)
-  return _decode_steps(target, state, steps, max_new_tokens, sampling)
-
-
-def _decode_steps(target, state, steps: int, max_new_tokens: int, sampling):
-  """The decode loop of :func:`_decode` over the cache it is given."""
+def _decode(target, state, steps: int, max_new_tokens: int, sampling: rounds_lib.Sampling):
+  """``steps`` steps of every row; a finished row keeps its cache length and output."""
 
   def body(_, carry):
     cache, tok, done, counts, out, seeds = carry
@@ -216,7 +174,6 @@ def generate(
 
   state = None  # made with the first prompt: a stream with nothing to ask allocates no cache
   owner = [-1] * rows  # the prompt each row decodes (-1: none)
-  lengths = [0] * rows  # the cache slots each row holds
   seconds = [0.0] * rows
   source = iter(prompts)
   drawn = 0
@@ -238,7 +195,6 @@ def generate(
         f'max_new_tokens={max_new_tokens} (prompts are padded to {PROMPT_BUCKET})'
       )
     owner[row], drawn = drawn, drawn + 1
-    lengths[row] = len(ids)
     seed = owner[row] if seed_of is None else int(seed_of(owner[row]))
     if state is None:
       state = empty_rows()
@@ -269,10 +225,8 @@ def generate(
         return finished
       raise ValueError('the prompt stream has nothing to ask and no response is in flight')
     start = time.perf_counter()
-    window = window_for([lengths[r] for r in live], chunk, capacity)
-    state = _decode(target, state, chunk, max_new_tokens, sampling, window)
-    done, counts, reached = jax.device_get((state[2], state[3], state[0].lengths))
-    lengths[:] = reached.tolist()
+    state = _decode(target, state, chunk, max_new_tokens, sampling)
+    done, counts = jax.device_get((state[2], state[3]))
     share = (time.perf_counter() - start) / len(live)
     for row in live:
       seconds[row] += share
