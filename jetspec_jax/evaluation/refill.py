@@ -74,12 +74,17 @@ def _fill_row(
   max_new_tokens: int,
   sampling: rounds_lib.Sampling,
 ):
-  """Prefills ``prompt`` (``int32[1, Pb]``) into cache row ``row``; its first token is the
-  prefill's argmax (or sample, with the prompt's ``seed``)."""
+  """Prefills ``prompt`` (``int32[1, Pb]``) into the first ``Pb`` slots of cache row ``row`` (the
+  prefill attends over those only, not the row's whole capacity; the slots after them keep what
+  they held, unread: a row reads its first ``lengths`` slots); its first token is the prefill's
+  argmax (or sample, with the prompt's ``seed``)."""
+  del capacity  # the rows' capacity: the prefill's own cache is only as wide as the prompt
   cache, tok, done, counts, out, seeds = state
-  small, last_logits, _ = rounds_lib.prefill(target, prompt, prompt_len[None], capacity)
+  small, last_logits, _ = rounds_lib.prefill(target, prompt, prompt_len[None], prompt.shape[1])
   cache = jax.tree.map(
-    lambda big, one: jax.lax.dynamic_update_slice_in_dim(big, one.astype(big.dtype), row, 0),
+    lambda big, one: jax.lax.dynamic_update_slice(
+      big, one.astype(big.dtype), (row,) + (0,) * (big.ndim - 1)
+    ),
     cache,
     small,
   )
