@@ -141,6 +141,21 @@ def test_build_features_binary_splits_the_cache_between_workers(tmp_path):
   assert len(list((tmp_path / 'mix').rglob('shard_00000.features.npy'))) == 1
   assert build_features.run(config) == 1
   assert build_features.run(config) == 0
+  # A mix directory's own matmul mode: its cache is computed (and recorded) in it.
+  config.data.mix = [
+    dict(
+      dir=str(tmp_path / 'data'),
+      max_len=64,
+      features_dir=str(tmp_path / 'mix_bf16'),
+      features_compute_dtype='bfloat16',
+      weight=0.5,
+    )
+  ]
+  assert build_features.run(config) == 2
+  from jetspec_jax.training import shards as shards_lib
+
+  assert shards_lib.feature_compute_dtype(tmp_path / 'mix_bf16') == 'bfloat16'
+  assert shards_lib.feature_compute_dtype(tmp_path / 'cache') == 'float32'
   argv = ['build_features.py', '--config=c.py', '--workers=2']
   assert build_features.worker_command(argv, 1)[-3:] == [*argv[1:], '--part=1']
 

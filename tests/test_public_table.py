@@ -126,6 +126,28 @@ def test_pipeline_on_smollm2_walk_equals_generate(smollm2, tmp_path):  # noqa: F
   public_table.run_render(config, tmp_path, tmp_path / 'results.md')
   text = (tmp_path / 'results.md').read_text()
   assert '| jetspec | tree 8 best_first |' in text and 'same output hash' in text
+  # A head compared on another workdir's responses: the first of each set walked, and the
+  # baseline's walks of the same records beside it (the same head here, so the same tau).
+  config.responses_from = config.baseline = str(tmp_path)
+  config.walk_per_set, config.copy_drafter = 1, False
+  again = tmp_path / 'again'
+  again.mkdir()
+  public_table.run_walks(config, again)
+  walked = public_table.read_walks(again)
+  assert sorted(walked) == sorted({k[0]: k for k in reversed(list(stored))}.values())
+  public_table.run_render(config, again, '')
+  result = json.loads((again / 'results.json').read_text())
+  assert {b: s['prompts'] for b, s in result['sets'].items()} == {'humaneval': 1, 'mtbench': 1}
+  assert {r['drafter'] for r in result['baseline']['rows']} == {'jetspec'}
+  after = {r['method']: r['mean_over_sets'] for r in result['rows']}
+  assert after == {r['method']: r['mean_over_sets'] for r in result['baseline']['rows']}
+  from jetspec_jax.evaluation import doc_tables
+
+  table = doc_tables.before_after({'results.json': result}, None)
+  shipped = [line for line in table.splitlines() if line.startswith('| JetSpec, shipped')]
+  continued = [line for line in table.splitlines() if line.startswith('| JetSpec, continued')]
+  assert len(shipped) == len(continued) == 2  # chain, tree 8
+  assert [line.split('|')[2:] for line in shipped] == [line.split('|')[2:] for line in continued]
 
 
 def test_overlap_index_finds_exact_and_13_gram_copies():

@@ -11,6 +11,11 @@ a time, the sets taken in turn so that an interrupted run covers every set; resu
 response (``WORKDIR/walks.jsonl``, resumable per prompt). ``check``: a few walked records
 re-decoded with ``js.generate`` (``WORKDIR/check.json``: same output hash, same rounds).
 ``render``: ``WORKDIR/results.json`` (summary + provenance) and ``docs/results.md``.
+
+A head compared with the shipped ones (``public_smollm2.py:retrained``) walks the responses of
+another workdir (``config.responses_from``), the first ``config.walk_per_set`` of each set, and
+its results also hold the baseline workdir's walks of the same records and drafters
+(``config.baseline``): a before/after table on equal prompts.
 """
 
 import json
@@ -98,7 +103,27 @@ def run_contamination(config, workdir: pathlib.Path) -> dict:
   return result
 
 
+def responses_path(config, workdir: pathlib.Path) -> pathlib.Path:
+  """The responses a workdir walks: its own, or those of ``config.responses_from``."""
+  source = config.get('responses_from') or ''
+  return (pathlib.Path(source) if source else workdir) / 'responses.jsonl'
+
+
+def walk_keys(config, stored: dict) -> list:
+  """The stored records to walk: all, or the first ``config.walk_per_set`` of each set."""
+  limit = config.get('walk_per_set') or 0
+  seen: dict[str, int] = {}
+  keys = []
+  for key in stored:
+    seen[key[0]] = seen.get(key[0], 0) + 1
+    if not limit or seen[key[0]] <= limit:
+      keys.append(key)
+  return keys
+
+
 def run_responses(config, workdir: pathlib.Path) -> None:
+  if config.get('responses_from'):
+    raise ValueError('a workdir that walks responses_from has no responses stage of its own')
   target, tok = load_target(config)
   path = workdir / 'responses.jsonl'
   streams = first_turn_prompts(config)
@@ -190,13 +215,16 @@ def run_walks(config, workdir: pathlib.Path, part: int = 0, parts: int = 1) -> N
   heads = load_heads(config, target)
   shas = {name: provenance.weights_sha256(path) for name, path in config.heads}
   taps = {tuple(h.cfg.target_layer_ids) for h in heads.values()}
-  stored = responses.read(workdir / 'responses.jsonl')
-  stored_sets = [k[0] for k in stored]
+  stored = responses.read(responses_path(config, workdir))
+  keys = walk_keys(config, stored)
   path = workdir / ('walks.jsonl' if parts == 1 else f'walks.{part}.jsonl')
   done = read_walks(workdir)
   # The sets in turn, so that a run stopped early has walked some prompts of every set.
   todo = interleaved(
-    {b: [k for k in stored if k[0] == b and k not in done] for b in dict.fromkeys(stored_sets)}, 1
+    {
+      b: [k for k in keys if k[0] == b and k not in done] for b in dict.fromkeys(k[0] for k in keys)
+    },
+    1,
   )
   todo = todo[part::parts]  # processes side by side take every parts-th prompt
   logging.info('walks: %d prompts to walk, %d walked', len(todo), len(done))
@@ -298,12 +326,33 @@ def run_render(config, workdir: pathlib.Path, docs_path) -> None:
   heads = {name: provenance.weights_sha256(path) for name, path in config.heads}
   overlap = workdir / 'contamination.json'
   overlap = json.loads(overlap.read_text()) if overlap.exists() else None
+  stored = responses.read(responses_path(config, workdir))
+  walked = read_walks(workdir)
+  keys = walk_keys(config, stored)
   result = report.summarize(
-    responses.read(workdir / 'responses.jsonl').values(),
-    read_walks(workdir).values(),
-    batch_size=config.batch_size,
-    contamination=overlap,
+    [stored[k] for k in keys], walked.values(), batch_size=config.batch_size, contamination=overlap
   )
+  if config.get('baseline'):
+    # The baseline's walks of the same records, its rows of the drafters walked here only.
+    drafters = {name for name, _ in config.heads}
+    before = read_walks(pathlib.Path(config.baseline))
+    missing = [k for k in walked if k not in before]
+    if missing:
+      raise ValueError(
+        f'{len(missing)} walked records are not in {config.baseline} (first: {missing[0]})'
+      )
+    records = [
+      dict(before[k], walks=[w for w in before[k]['walks'] if w['drafter'] in drafters])
+      for k in walked
+    ]
+    base = report.summarize([stored[k] for k in walked], records, contamination=overlap)
+    result['baseline'] = dict(
+      source=config.baseline,
+      rows=base['rows'],
+      heads=json.loads((pathlib.Path(config.baseline) / 'results.json').read_text())['provenance'][
+        'heads'
+      ],
+    )
   result['provenance'] = dict(provenance.record(), heads=heads, config=config.to_dict())
   check = workdir / 'check.json'
   if check.exists():
@@ -340,7 +389,9 @@ def main(argv):
   if 'check' in stages:
     run_check(config, workdir)
   if 'render' in stages:
-    run_render(config, workdir, FLAGS.docs)
+    run_render(
+      config, workdir, config.get('docs', 'docs/results.md') if FLAGS.docs is None else FLAGS.docs
+    )
 
 
 def define_flags() -> None:
@@ -357,5 +408,7 @@ def define_flags() -> None:
   )
   flags.DEFINE_integer('part', 0, 'walk: this process takes every parts-th prompt from part.')
   flags.DEFINE_integer('parts', 1, 'walk: processes walking side by side.')
-  flags.DEFINE_string('docs', 'docs/results.md', 'Where the rendered table goes ("": nowhere).')
+  flags.DEFINE_string(
+    'docs', None, 'Where the rendered table goes ("": nowhere; default: config.docs).'
+  )
   flags.mark_flags_as_required(['workdir'])

@@ -351,6 +351,48 @@ def wallclock(records: dict[str, dict], arg: str | None) -> str:
   return '\n'.join(lines) + '\n'
 
 
+def before_after(records: dict[str, dict], arg: str | None) -> str:
+  """A head walked beside the one it continues (``public_smollm2.py:retrained``): per set and
+  method, tau of the baseline's head and of the new one on the same records."""
+  ((source, result),) = records.items()
+  base = _public_rows(result['baseline'])
+  rows = _public_rows(result)
+  sets = [b for b in report.BENCHMARKS if b in result['sets'] and result['sets'][b]['walked']]
+  lines = [
+    '| drafter | method | ' + ' | '.join(sets) + ' | mean |',
+    '|---|---|' + '---|' * (len(sets) + 1),
+  ]
+  for (drafter, method), after in rows.items():
+    before = base.get((drafter, method))
+    if before is None:
+      continue
+    for name, row in (('shipped', before), ('continued', after)):
+      cells = [_fmt(row['sets'].get(b, {}).get('tau')) for b in sets]
+      lines.append(
+        f'| {DRAFTERS[drafter][0]}, {name} | {method} | '
+        + ' | '.join(cells)
+        + f' | {_fmt(row["mean_over_sets"])} |'
+      )
+  walked = sum(result['sets'][b]['walked'] for b in sets)
+  heads = result['provenance']['heads']
+
+  def checksums(named: dict) -> str:  # each head's weights' sha256, first 12 digits
+    return ', '.join(
+      f'{k} `{" ".join(v[:12] for v in files.values())}`'
+      for k, files in named.items()
+      if k in heads
+    )
+
+  lines += [
+    '',
+    f'{walked} records of {result["baseline"]["source"]} (the first '
+    f'{result["provenance"]["config"]["walk_per_set"]} of each set), both heads walked along '
+    f'the same responses; weights: {checksums(heads)} (continued), '
+    f'{checksums(result["baseline"]["heads"])} (shipped). {_machine(result["provenance"])}.',
+  ]
+  return '\n'.join(lines) + '\n'
+
+
 def data_sizes(records: dict[str, dict], arg: str | None) -> str:
   """A data card's table (``jetspec_jax/training/data_sizes.py``): per directory of shards."""
   ((source, result),) = records.items()
@@ -454,6 +496,7 @@ RENDERERS = dict(
   card_heldout_index=card_heldout_index,
   speed=speed,
   wallclock=wallclock,
+  before_after=before_after,
 )
 
 

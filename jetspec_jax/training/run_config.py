@@ -80,7 +80,8 @@ def build_feature_cache(
 ) -> int:
   """Computes the missing cached features (``data.features_dir``) of the shards a run of
   ``config`` reads: its held-out shards, then its training ones, then those of each ``data.mix``
-  directory with a ``features_dir`` of its own (each ``part`` of ``parts``: a share,
+  directory with a ``features_dir`` of its own, in its ``features_compute_dtype`` when it names
+  one (each ``part`` of ``parts``: a share,
   :func:`features_lib.compute_features`). Returns how many shards were computed; 0 without a
   cache."""
   taps = tuple(config.data.get('feature_taps') or ())
@@ -110,7 +111,10 @@ def build_feature_cache(
     )
   for m in config.data.get('mix') or ():
     if m['features_dir']:
-      computed += features_lib.compute_features(target, m['dir'], m['features_dir'], taps, **common)
+      mode = m.get('features_compute_dtype') or common['compute_dtype']
+      computed += features_lib.compute_features(
+        target, m['dir'], m['features_dir'], taps, **{**common, 'compute_dtype': mode}
+      )
   return computed
 
 

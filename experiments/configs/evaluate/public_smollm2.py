@@ -6,6 +6,12 @@
 Greedy responses of the target to the public prompt sets (jetspec_jax/evaluation/prompt_sets.py)
 up to ``max_new_tokens``, then every drafter x method walked along them
 (jetspec_jax/evaluation/tree_walk.py). ``:tiny``: a few short responses, one head (tests).
+``:retrained``: the JetSpec head continued on the public-chat data
+(experiments/configs/train/draft_smollm2.py:jetspec_public), walked along the first 32 responses
+of each set of benchmarks/public and shown beside the shipped head on the same records:
+
+  python -m experiments.evaluate --config=experiments/configs/evaluate/public_smollm2.py:retrained \
+      --workdir=benchmarks/public_retrained --stages=walk,render
 """
 
 import ml_collections
@@ -62,6 +68,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # method of each), drawn among those of at most check_max_tokens new tokens.
   config.check_prompts = 2
   config.check_max_tokens = 256
+  config.docs = 'docs/results.md'  # the rendered table ('': none)
+  # A workdir walking another's responses (no responses stage of its own), the first
+  # walk_per_set of each set (0: all), its results beside the baseline workdir's walks
+  config.responses_from = ''
+  config.walk_per_set = 0
+  config.baseline = ''
+  if arg == 'retrained':
+    config.heads = [['jetspec', 'runs/jetspec_public/export']]
+    config.copy_drafter = False
+    config.responses_from = 'benchmarks/public'
+    config.baseline = 'benchmarks/public'
+    config.walk_per_set = 32
+    config.docs = ''
   if arg == 'tiny':  # a few short responses, one head (tests)
     config.samples = [['humaneval', 1], ['mtbench', 1]]
     config.max_new_tokens = 24
