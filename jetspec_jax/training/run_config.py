@@ -180,6 +180,7 @@ PROMPT_SOURCES = ('random', 'stdlib_functions', 'chat_mix', 'public_chat')  # el
 
 
 MIX_FIELDS = ('dir', 'max_len', 'features_dir', 'weight')  # a data.mix entry's fields
+MIX_OPTIONAL = ('features_compute_dtype',)  # and those it may add
 
 
 def check_config(config) -> None:
@@ -230,10 +231,15 @@ def check_config(config) -> None:
     )
   mixed = config.data.get('mix') or ()
   for m in mixed:
-    if set(m) != set(MIX_FIELDS) or m['max_len'] < 2 or not 0 < m['weight'] < 1:
+    fields = set(m)
+    if (
+      not set(MIX_FIELDS) <= fields <= set(MIX_FIELDS + MIX_OPTIONAL)
+      or m['max_len'] < 2
+      or not 0 < m['weight'] < 1
+    ):
       raise ValueError(
-        f'each data.mix entry needs exactly {MIX_FIELDS} (max_len >= 2, 0 < weight < 1), '
-        f'got {dict(m)}'
+        f'each data.mix entry needs exactly {MIX_FIELDS}, optionally {MIX_OPTIONAL} '
+        f'(max_len >= 2, 0 < weight < 1), got {dict(m)}'
       )
   if mixed and sum(m['weight'] for m in mixed) >= 1:
     raise ValueError('the data.mix weights must leave data.dir a share: their sum must be < 1')
