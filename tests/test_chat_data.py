@@ -202,6 +202,10 @@ def test_public_and_block16_presets_build(kind):
   assert public.data.prompt_rounds == 3
   assert [m['dir'] for m in public.data.mix] == ['data/public_chat']
   assert public.head.causal == draft_smollm2.get_config(kind).head.causal
+  assert public.data.mix[0]['features_compute_dtype'] == 'bfloat16'  # a field of its own
+  public.data.mix = [dict(public.data.mix[0], width=3)]  # one of no meaning is refused
+  with pytest.raises(ValueError, match='each data.mix entry'):
+    run_config.check_config(public)
   if kind in ('jetspec', 'dflash'):
     first, b16 = draft_smollm2.get_config(kind), draft_smollm2.get_config(f'{kind}_b16')
     run_config.check_config(b16)
