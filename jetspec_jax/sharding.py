@@ -101,7 +101,11 @@ def named(specs, mesh: Mesh):
 def shard_params(params, mesh: Mesh, *, fsdp: bool = False):
   """Places ``params`` on ``mesh`` by :data:`RULES` (and FSDP over ``'data'``, see
   :func:`param_specs`). ``mesh`` may span processes: every process passes the same values and
-  keeps the shards of its own devices."""
+  keeps the shards of its own devices. A one-device mesh places them on its device unsharded: a
+  named sharding over one device made XLA CPU's decode loop about 4x slower (SmolLM2-135M: 195 vs
+  48 ms a step)."""
+  if mesh.devices.size == 1:
+    return jax.device_put(params, mesh.devices.flat[0])
   if jax.process_count() > 1:
     params = to_host(params)  # arrays of one process's devices cannot move onto another's
   return jax.device_put(params, named(param_specs(params, mesh, fsdp=fsdp), mesh))

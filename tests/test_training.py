@@ -630,8 +630,9 @@ def test_target_dtype_from_config():
 
 
 def test_target_on_a_one_device_mesh_stays_unsharded():
-  """A one-device mesh places nothing (a named sharding there made the decode loop ~4x slower on
-  XLA CPU); a mesh of several devices shards the parameters."""
+  """A one-device mesh places the parameters unsharded (``sharding.shard_params``: a named
+  sharding there made the decode loop ~4x slower on XLA CPU); a mesh of several devices shards
+  them."""
   from jetspec_jax import sharding
 
   config = draft_tiny.get_config().target
