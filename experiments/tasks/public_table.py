@@ -105,13 +105,13 @@ def run_contamination(config, workdir: pathlib.Path) -> dict:
 
 def responses_path(config, workdir: pathlib.Path) -> pathlib.Path:
   """The responses a workdir walks: its own, or those of ``config.responses_from``."""
-  source = config.get('responses_from') or ''
+  source = config.responses_from
   return (pathlib.Path(source) if source else workdir) / 'responses.jsonl'
 
 
 def walk_keys(config, stored: dict) -> list:
   """The stored records to walk: all, or the first ``config.walk_per_set`` of each set."""
-  limit = config.get('walk_per_set') or 0
+  limit = config.walk_per_set
   seen: dict[str, int] = {}
   keys = []
   for key in stored:
@@ -122,7 +122,7 @@ def walk_keys(config, stored: dict) -> list:
 
 
 def run_responses(config, workdir: pathlib.Path) -> None:
-  if config.get('responses_from'):
+  if config.responses_from:
     raise ValueError('a workdir that walks responses_from has no responses stage of its own')
   target, tok = load_target(config)
   path = workdir / 'responses.jsonl'
@@ -332,7 +332,7 @@ def run_render(config, workdir: pathlib.Path, docs_path) -> None:
   result = report.summarize(
     [stored[k] for k in keys], walked.values(), batch_size=config.batch_size, contamination=overlap
   )
-  if config.get('baseline'):
+  if config.baseline:
     # The baseline's walks of the same records, its rows of the drafters walked here only.
     drafters = {name for name, _ in config.heads}
     before = read_walks(pathlib.Path(config.baseline))
@@ -389,9 +389,7 @@ def main(argv):
   if 'check' in stages:
     run_check(config, workdir)
   if 'render' in stages:
-    run_render(
-      config, workdir, config.get('docs', 'docs/results.md') if FLAGS.docs is None else FLAGS.docs
-    )
+    run_render(config, workdir, config.docs if FLAGS.docs is None else FLAGS.docs)
 
 
 def define_flags() -> None:
