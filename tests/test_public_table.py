@@ -148,6 +148,13 @@ def test_pipeline_on_smollm2_walk_equals_generate(smollm2, tmp_path):  # noqa: F
   continued = [line for line in table.splitlines() if line.startswith('| JetSpec, continued')]
   assert len(shipped) == len(continued) == 2  # chain, tree 8
   assert [line.split('|')[2:] for line in shipped] == [line.split('|')[2:] for line in continued]
+  # A baseline that walked another response under the same key is refused, not compared.
+  records = [json.loads(line) for line in (tmp_path / 'walks.jsonl').read_text().splitlines()]
+  tampered = next(r for r in records if (r['benchmark'], r['prompt_id']) in walked)
+  tampered['response_sha256'] = '0' * 64
+  (tmp_path / 'walks.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
+  with pytest.raises(ValueError, match='responses differ'):
+    public_table.run_render(config, again, '')
 
 
 def test_overlap_index_finds_exact_and_13_gram_copies():

@@ -341,6 +341,12 @@ def run_render(config, workdir: pathlib.Path, docs_path) -> None:
       raise ValueError(
         f'{len(missing)} walked records are not in {config.baseline} (first: {missing[0]})'
       )
+    changed = [k for k in walked if before[k]['response_sha256'] != walked[k]['response_sha256']]
+    if changed:
+      raise ValueError(
+        f'{len(changed)} walked responses differ from those {config.baseline} walked '
+        f'(first: {changed[0]}): the two tables would not compare equal records'
+      )
     records = [
       dict(before[k], walks=[w for w in before[k]['walks'] if w['drafter'] in drafters])
       for k in walked
