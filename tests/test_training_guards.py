@@ -177,6 +177,13 @@ def test_draft_vocabulary_covers_and_rounds():
   assert counts[dh.draft_vocabulary(counts, 0.99, multiple=1)].sum() >= 0.99 * counts.sum()
   with pytest.raises(ValueError, match='coverage'):
     dh.draft_vocabulary(counts, 1.5)
+  # A continued head's own ids stay, even unseen in the new data; frequent ones are added
+  own = np.array([999, 500, 3])
+  grown = dh.draft_vocabulary(counts, 0.7, multiple=8, include=own)
+  assert set(own) <= set(grown) and set(range(10)) <= set(grown)
+  assert len(grown) == 16 and np.all(np.diff(grown) > 0)
+  with pytest.raises(ValueError, match='include'):
+    dh.draft_vocabulary(counts, 0.7, include=[1000])
 
 
 @pytest.mark.parametrize('method', [js.methods.Tree(), js.methods.DSpark()])

@@ -340,18 +340,29 @@ def scatter_to_vocab(logits: Float[Array, '... K'], draft_vocab, vocab_size: int
   return full.at[..., draft_vocab].set(logits)
 
 
-def draft_vocabulary(token_counts, coverage: float = 0.99, multiple: int = 128) -> np.ndarray:
+def draft_vocabulary(
+  token_counts, coverage: float = 0.99, multiple: int = 128, include=None
+) -> np.ndarray:
   """The most frequent token ids whose counts cover ``coverage`` of all tokens, sorted, their
   number rounded up to a ``multiple`` (matmul-friendly). ``token_counts [V]``: how often each id
-  occurs in the target's own generated responses."""
+  occurs in the target's own generated responses. ``include``: ids kept whatever their counts
+  (a continued head's own vocabulary), the most frequent others added until the coverage."""
   counts = np.asarray(token_counts, np.float64)
   if not 0.0 < coverage <= 1.0:
     raise ValueError(f'coverage must be in (0, 1], got {coverage}')
   if counts.sum() <= 0:
     raise ValueError('token_counts is empty: no tokens to choose a draft vocabulary from')
   order = np.argsort(-counts, kind='stable')
+  first = 0
+  if include is not None:
+    include = np.unique(np.asarray(include, np.int64))
+    if len(include) and (include.min() < 0 or include.max() >= len(counts)):
+      raise ValueError(f'include must hold token ids in [0, {len(counts)})')
+    kept = np.isin(order, include)
+    order = np.concatenate([order[kept], order[~kept]])
+    first = len(include)
   covered = np.cumsum(counts[order]) / counts.sum()
-  k = int(np.searchsorted(covered, coverage - 1e-12) + 1)
+  k = max(first, int(np.searchsorted(covered, coverage - 1e-12) + 1))
   k = min(len(counts), -(-k // multiple) * multiple)
   return np.sort(order[:k]).astype(np.int32)
 

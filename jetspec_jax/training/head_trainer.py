@@ -80,9 +80,16 @@ def train_and_evaluate(config, workdir: str) -> dict:
     config.seed,
   )
   draft_vocab = None
+  continued = (
+    head_io.load_draft_head(config.train.init_from, target) if config.train.init_from else None
+  )
   if config.head.get('draft_vocab_coverage'):
     counts = sum(s.response_token_counts(target.cfg.vocab_size) for s in sources)
-    draft_vocab = dh.draft_vocabulary(counts, config.head.draft_vocab_coverage)
+    # A continued head keeps every id it drafted, plus those its new data needs
+    own = None if continued is None or continued.draft_vocab is None else continued.draft_vocab
+    draft_vocab = dh.draft_vocabulary(
+      counts, config.head.draft_vocab_coverage, include=None if own is None else np.asarray(own)
+    )
     logging.info(
       'draft vocabulary: %d of %d ids cover %.4f of the response tokens',
       len(draft_vocab),
@@ -126,8 +133,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
       np.round(copy['accuracy'], 3).tolist(),
       copy['expected_tau'],
     )
-  if config.train.init_from:
-    init_params = head_io.load_draft_head(config.train.init_from, target).params
+  if continued is not None:
+    init_params = continued.params
   else:
     init_params = dh.init_head_params(head_cfg, jax.random.key(config.seed), target.dtype)
     if config.head.get('init_from_target_layers'):
