@@ -896,18 +896,42 @@ def test_mixed_sources_give_whole_batches_in_their_shares(dataset):
 def test_train_draft_reads_a_mixed_directory_at_its_own_width(tmp_path):
   """A run with data.mix trains on data.dir and a directory of longer sequences at their own
   width; a weight that leaves data.dir no share is refused."""
+  # A vocabulary of 1,024 ids: reduced draft vocabularies (multiples of 128) smaller than it
+  wide = {'vocab_size': 1024}
   long = draft_tiny.get_config('runlocal')
+  long.target.overrides = wide
   long.data.update(num_prompts=24, prompt_seed=1, max_new_tokens=60, max_len=80, shard_size=8)
   generate_data.run(long, str(tmp_path / 'long'))
   config = draft_tiny.get_config('runlocal')
+  config.target.overrides = wide
   config.train.update(steps=6, log_every=3, checkpoint_every=6)
   config.eval.update(num_prompts=1, max_new_tokens=8)
   config.data.mix = [
     dict(dir=str(tmp_path / 'long' / 'data'), max_len=80, features_dir='', weight=0.5)
   ]
+  config.head.draft_vocab_coverage = 0.9
   result = head_trainer.train_and_evaluate(config, str(tmp_path / 'train'))
   assert result['steps'] == 6
   assert result['num_sequences'] == 32 + 24
+  # Continued on other data at a lower coverage, the head keeps every id it drafted
+  target = run_config.load_target_from_config(config.target)
+  first = js.load_draft_head(tmp_path / 'train' / 'export', target).draft_vocab
+  continued = draft_tiny.get_config('runlocal')
+  continued.target.overrides = wide
+  continued.train.update(
+    steps=2, log_every=1, checkpoint_every=2, init_from=str(tmp_path / 'train' / 'export')
+  )
+  continued.eval.update(num_prompts=1, max_new_tokens=8)
+  continued.data.update(dir=str(tmp_path / 'long' / 'data'), max_len=80)
+  continued.head.draft_vocab_coverage = 0.5
+  head_trainer.train_and_evaluate(continued, str(tmp_path / 'continued'))
+  grown = js.load_draft_head(tmp_path / 'continued' / 'export', target).draft_vocab
+  assert first is not None and len(first) < 1024
+  assert set(np.asarray(first)) <= set(np.asarray(grown))
+  alone = js.draft_head.draft_vocabulary(
+    shards_lib.TokenShards(tmp_path / 'long' / 'data', max_len=80).response_token_counts(1024), 0.5
+  )
+  assert len(alone) < len(grown)  # its new data alone would have given fewer ids
   config.data.mix = [dict(dir='x', max_len=80, features_dir='', weight=1.0)]
   with pytest.raises(ValueError, match='0 < weight < 1'):
     head_trainer.train_and_evaluate(config, str(tmp_path / 'bad'))
