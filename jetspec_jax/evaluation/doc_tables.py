@@ -217,6 +217,44 @@ def card_heldout_index(records: dict[str, dict], arg: str | None) -> str:
   return '\n'.join(lines) + '\n'
 
 
+def _heldout_set(record: dict) -> str:
+  """A held-out record's set, as a reader names it: the data directory and its first shard."""
+  name = pathlib.PurePath(record['heldout']['data_dir']).name
+  name = 'smollm2_135m' if name == 'data' else name  # data/smollm2_135m/data
+  return f'{name}/{record.get("heldout_subdir", "greedy")}'
+
+
+def heldout_compare(records: dict[str, dict], arg: str | None) -> str:
+  """Heads side by side on held-out sets (``experiments/tasks/heldout.py`` files, one per set):
+  per set, scope and head, the teacher-forced depth-1 accuracy, expected chain tau and walk
+  tau."""
+  lines = [
+    '| held-out set | scope | head | depth-1 acc. | expected chain tau | walk tau |',
+    '|---|---|---|---|---|---|',
+  ]
+  for _, record in sorted(records.items()):
+    for r in record['rows']:
+      if r['drafter'] not in record['heads']:
+        continue  # the copy baseline's rows
+      walk = _fmt(r.get('walk_tau'), '.3f')
+      lines.append(
+        f'| {_heldout_set(record)} | {r["scope"]} | {r["drafter"]} | {r["accuracy"][0]:.3f} '
+        f'| {r["expected_tau"]:.3f} | {walk} |'
+      )
+  first = next(iter(records.values()))
+  checksums = ', '.join(
+    f'{name} `{" ".join(v[:12] for v in files.values())}`'
+    for name, files in first['provenance']['weights_sha256'].items()
+  )
+  lines += [
+    '',
+    f'{first["heldout"]["sequences"]} sequences (at most) of each set\'s first shard, never '
+    f'trained on, {first["heldout"]["anchors"]} anchors each; weights: {checksums}. '
+    f'{_machine(first["provenance"])}.',
+  ]
+  return '\n'.join(lines) + '\n'
+
+
 def speed(records: dict[str, dict], arg: str | None) -> str:
   """The main job's (``make demo``) timing table: tau and tokens/s per setting, with the spread
   over its prompts, and the machine once."""
@@ -497,6 +535,7 @@ RENDERERS = dict(
   speed=speed,
   wallclock=wallclock,
   before_after=before_after,
+  heldout_compare=heldout_compare,
 )
 
 

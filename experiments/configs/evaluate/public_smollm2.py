@@ -7,7 +7,7 @@ Greedy responses of the target to the public prompt sets (jetspec_jax/evaluation
 up to ``max_new_tokens``, then every drafter x method walked along them
 (jetspec_jax/evaluation/tree_walk.py). ``:tiny``: a few short responses, one head (tests).
 ``:retrained``: the JetSpec head continued on the public-chat data
-(experiments/configs/train/draft_smollm2.py:jetspec_public), walked along the first 16 responses
+(experiments/configs/train/draft_smollm2.py:jetspec_public), walked along the first 32 responses
 of each set of benchmarks/public and shown beside the shipped head on the same records:
 
   python -m experiments.evaluate --config=experiments/configs/evaluate/public_smollm2.py:retrained \
@@ -79,7 +79,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.copy_drafter = False
     config.responses_from = 'benchmarks/public'
     config.baseline = 'benchmarks/public'
-    config.walk_per_set = 16
+    config.walk_per_set = 32
     config.docs = ''
   if arg == 'tiny':  # a few short responses, one head (tests)
     config.samples = [['humaneval', 1], ['mtbench', 1]]
