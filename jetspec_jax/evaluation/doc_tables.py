@@ -248,7 +248,7 @@ def heldout_compare(records: dict[str, dict], arg: str | None) -> str:
   )
   lines += [
     '',
-    f'{first["heldout"]["sequences"]} sequences (at most) of each set\'s first shard, never '
+    f"{first['heldout']['sequences']} sequences (at most) of each set's first shard, never "
     f'trained on, {first["heldout"]["anchors"]} anchors each; weights: {checksums}. '
     f'{_machine(first["provenance"])}.',
   ]
