@@ -352,12 +352,12 @@ def run_render(config, workdir: pathlib.Path, docs_path) -> None:
       for k in walked
     ]
     base = report.summarize([stored[k] for k in walked], records, contamination=overlap)
+    made = json.loads((pathlib.Path(config.baseline) / 'results.json').read_text())['provenance']
     result['baseline'] = dict(
       source=config.baseline,
       rows=base['rows'],
-      heads=json.loads((pathlib.Path(config.baseline) / 'results.json').read_text())['provenance'][
-        'heads'
-      ],
+      heads=made['heads'],
+      machine={k: made[k] for k in ('cpu', 'cores', 'commit', 'date_utc')},
     )
   result['provenance'] = dict(provenance.record(), heads=heads, config=config.to_dict())
   check = workdir / 'check.json'

@@ -400,7 +400,10 @@ def before_after(records: dict[str, dict], arg: str | None) -> str:
     '| drafter | method | ' + ' | '.join(sets) + ' | mean |',
     '|---|---|' + '---|' * (len(sets) + 1),
   ]
-  for (drafter, method), after in rows.items():
+  order = {m: i for i, m in enumerate(SUMMARY_METHODS)}
+  for (drafter, method), after in sorted(
+    rows.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], len(order)), kv[0][1])
+  ):
     before = base.get((drafter, method))
     if before is None:
       continue
@@ -426,8 +429,11 @@ def before_after(records: dict[str, dict], arg: str | None) -> str:
     f'{walked} records of {result["baseline"]["source"]} (the first '
     f'{result["provenance"]["config"]["walk_per_set"]} of each set), both heads walked along '
     f'the same responses; weights: {checksums(heads)} (continued), '
-    f'{checksums(result["baseline"]["heads"])} (shipped). {_machine(result["provenance"])}.',
+    f'{checksums(result["baseline"]["heads"])} (shipped). Continued: '
+    f'{_machine(result["provenance"])}.',
   ]
+  if 'machine' in result['baseline']:
+    lines[-1] += f' Shipped: {_machine(result["baseline"]["machine"])}.'
   return '\n'.join(lines) + '\n'
 
 
