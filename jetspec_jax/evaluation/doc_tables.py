@@ -226,16 +226,14 @@ def _heldout_set(record: dict) -> str:
 
 def heldout_compare(records: dict[str, dict], arg: str | None) -> str:
   """Heads side by side on held-out sets (``experiments/tasks/heldout.py`` files, one per set):
-  per set, scope and head, the teacher-forced depth-1 accuracy, expected chain tau and walk
-  tau."""
+  per set, scope and drafter (the heads, then the copy drafter), the teacher-forced depth-1
+  accuracy, expected chain tau and walk tau."""
   lines = [
-    '| held-out set | scope | head | depth-1 acc. | expected chain tau | walk tau |',
+    '| held-out set | scope | drafter | depth-1 acc. | expected chain tau | walk tau |',
     '|---|---|---|---|---|---|',
   ]
   for _, record in sorted(records.items()):
-    for r in record['rows']:
-      if r['drafter'] not in record['heads']:
-        continue  # the copy baseline's rows
+    for r in record['rows']:  # the heads', and the copy drafter's (prompt lookup)
       walk = _fmt(r.get('walk_tau'), '.3f')
       lines.append(
         f'| {_heldout_set(record)} | {r["scope"]} | {r["drafter"]} | {r["accuracy"][0]:.3f} '
