@@ -128,6 +128,13 @@ def summarize(
   )
 
 
+def machine(prov: dict) -> str:
+  """Where and when a result file was made, as the tables state it once."""
+  return (
+    f'{prov["cpu"]}, {prov["cores"]} cores, commit `{str(prov["commit"])[:12]}`, {prov["date_utc"]}'
+  )
+
+
 def _fmt(x, spec='.2f'):
   return '—' if x is None else format(x, spec)
 

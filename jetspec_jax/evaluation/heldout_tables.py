@@ -1,0 +1,89 @@
+"""Held-out tables of the documents (``jetspec_jax/evaluation/doc_tables.py`` renderers): the
+teacher-forced metrics ``experiments/tasks/heldout.py`` writes, per held-out set."""
+
+import pathlib
+
+from jetspec_jax.evaluation import report
+
+_fmt = report._fmt  # '—' for a missing value
+
+
+def _heldout_rows(records: dict[str, dict], drafter: str):
+  for _, record in sorted(records.items()):
+    round_ = 'round 2' if 'round2' in record.get('heldout_subdir', '') else 'round 0'
+    for r in record['rows']:
+      if r['drafter'] == drafter or (drafter == 'copy' and r['drafter'].startswith('copy')):
+        yield round_, r
+
+
+def heldout(records: dict[str, dict], arg: str | None) -> str:
+  """A card's held-out table: teacher-forced metrics on the held-out shards of each round."""
+  lines = [
+    '| held-out set | scope | depth-1 acc. | expected chain tau | walk tau |',
+    '|---|---|---|---|---|',
+  ]
+  seen = set()
+  for round_, r in _heldout_rows(records, arg):
+    key = (round_, r['scope'])
+    if key in seen:
+      continue
+    seen.add(key)
+    walk = _fmt(r.get('walk_tau'), '.3f')
+    lines.append(
+      f'| {round_} | {r["scope"]} | {r["accuracy"][0]:.3f} | {r["expected_tau"]:.3f} | {walk} |'
+    )
+  return '\n'.join(lines) + '\n'
+
+
+def card_heldout_index(records: dict[str, dict], arg: str | None) -> str:
+  """``model-index`` entries of the held-out metrics (YAML)."""
+  lines = []
+  for round_, r in _heldout_rows(records, arg):
+    if r['first_tokens'] != 0:
+      continue
+    name = f'held-out self-distillation, {round_}'
+    lines += [
+      '      - task: {type: text-generation, name: speculative decoding}',
+      f'        dataset: {{name: "{name}", type: smollm2_135m_self_distillation}}',
+      '        metrics:',
+      f'          - {{type: accuracy, name: depth-1 accuracy, value: {r["accuracy"][0]:.3f}}}',
+      f'          - {{type: acceptance_length, name: expected chain tau, '
+      f'value: {r["expected_tau"]:.3f}}}',
+    ]
+  return '\n'.join(lines) + '\n'
+
+
+def _heldout_set(record: dict) -> str:
+  """A held-out record's set, as a reader names it: the data directory and its first shard."""
+  name = pathlib.PurePath(record['heldout']['data_dir']).name
+  name = 'smollm2_135m' if name == 'data' else name  # data/smollm2_135m/data
+  return f'{name}/{record.get("heldout_subdir", "greedy")}'
+
+
+def heldout_compare(records: dict[str, dict], arg: str | None) -> str:
+  """Heads side by side on held-out sets (``experiments/tasks/heldout.py`` files, one per set):
+  per set, scope and drafter (the heads, then the copy drafter), the teacher-forced depth-1
+  accuracy, expected chain tau and walk tau."""
+  lines = [
+    '| held-out set | scope | drafter | depth-1 acc. | expected chain tau | walk tau |',
+    '|---|---|---|---|---|---|',
+  ]
+  for _, record in sorted(records.items()):
+    for r in record['rows']:  # the heads', and the copy drafter's (prompt lookup)
+      walk = _fmt(r.get('walk_tau'), '.3f')
+      lines.append(
+        f'| {_heldout_set(record)} | {r["scope"]} | {r["drafter"]} | {r["accuracy"][0]:.3f} '
+        f'| {r["expected_tau"]:.3f} | {walk} |'
+      )
+  first = next(iter(records.values()))
+  checksums = ', '.join(
+    f'{name} `{" ".join(v[:12] for v in files.values())}`'
+    for name, files in first['provenance']['weights_sha256'].items()
+  )
+  lines += [
+    '',
+    f"{first['heldout']['sequences']} sequences (at most) of each set's first shard, never "
+    f'trained on, {first["heldout"]["anchors"]} anchors each; weights: {checksums}. '
+    f'{report.machine(first["provenance"])}.',
+  ]
+  return '\n'.join(lines) + '\n'
