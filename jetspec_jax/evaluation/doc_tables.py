@@ -328,19 +328,12 @@ def before_after(records: dict[str, dict], arg: str | None) -> str:
   walked = sum(result['sets'][b]['walked'] for b in sets)
   heads = result['provenance']['heads']
 
-  def checksums(named: dict) -> str:  # each head's weights' sha256, first 12 digits
-    return ', '.join(
-      f'{k} `{" ".join(v[:12] for v in files.values())}`'
-      for k, files in named.items()
-      if k in heads
-    )
-
   lines += [
     '',
     f'{walked} records of {result["baseline"]["source"]} (the first '
     f'{result["provenance"]["config"]["walk_per_set"]} of each set), both heads walked along '
-    f'the same responses; weights: {checksums(heads)} (continued), '
-    f'{checksums(result["baseline"]["heads"])} (shipped). Continued: '
+    f'the same responses; weights: {report.checksums(heads)} (continued), '
+    f'{report.checksums(result["baseline"]["heads"], only=heads)} (shipped). Continued: '
     f'{_machine(result["provenance"])}.',
   ]
   if 'machine' in result['baseline']:

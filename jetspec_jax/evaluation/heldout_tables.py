@@ -54,9 +54,10 @@ def card_heldout_index(records: dict[str, dict], arg: str | None) -> str:
 
 
 def _heldout_set(record: dict) -> str:
-  """A held-out record's set, as a reader names it: the data directory and its first shard."""
-  name = pathlib.PurePath(record['heldout']['data_dir']).name
-  name = 'smollm2_135m' if name == 'data' else name  # data/smollm2_135m/data
+  """A held-out record's set, as a reader names it: the data directory (the workdir of a
+  ``generate_data`` run whose shards are in its ``data/``) and the held-out shard's directory."""
+  path = pathlib.PurePath(record['heldout']['data_dir'])
+  name = path.parent.name if path.name == 'data' else path.name
   return f'{name}/{record.get("heldout_subdir", "greedy")}'
 
 
@@ -76,10 +77,7 @@ def heldout_compare(records: dict[str, dict], arg: str | None) -> str:
         f'| {r["expected_tau"]:.3f} | {walk} |'
       )
   first = next(iter(records.values()))
-  checksums = ', '.join(
-    f'{name} `{" ".join(v[:12] for v in files.values())}`'
-    for name, files in first['provenance']['weights_sha256'].items()
-  )
+  checksums = report.checksums(first['provenance']['weights_sha256'])
   lines += [
     '',
     f"{first['heldout']['sequences']} sequences (at most) of each set's first shard, never "

@@ -135,6 +135,16 @@ def machine(prov: dict) -> str:
   )
 
 
+def checksums(named: dict, only=None) -> str:
+  """Each head's weights as the tables name them: ``name `sha256[:12] ...``` per weight file
+  (``named``: head -> {file: sha256}); ``only``: just those heads."""
+  return ', '.join(
+    f'{k} `{" ".join(v[:12] for v in files.values())}`'
+    for k, files in named.items()
+    if only is None or k in only
+  )
+
+
 def _fmt(x, spec='.2f'):
   return '—' if x is None else format(x, spec)
 

@@ -86,10 +86,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   if config.head.get('draft_vocab_coverage'):
     counts = sum(s.response_token_counts(target.cfg.vocab_size) for s in sources)
     # A continued head keeps every id it drafted, plus those its new data needs
-    own = None if continued is None or continued.draft_vocab is None else continued.draft_vocab
-    draft_vocab = dh.draft_vocabulary(
-      counts, config.head.draft_vocab_coverage, include=None if own is None else np.asarray(own)
-    )
+    own = None if continued is None else continued.draft_vocab
+    draft_vocab = dh.draft_vocabulary(counts, config.head.draft_vocab_coverage, include=own)
     logging.info(
       'draft vocabulary: %d of %d ids cover %.4f of the response tokens',
       len(draft_vocab),
