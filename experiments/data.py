@@ -20,4 +20,4 @@ TASKS = dict(
 )
 
 if __name__ == '__main__':
-  verb.run(TASKS, default='generate')
+  verb.run(TASKS, default='generate', compile_cache=True)

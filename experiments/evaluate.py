@@ -17,4 +17,4 @@ TASKS = dict(
 )
 
 if __name__ == '__main__':
-  verb.run(TASKS, default='public')
+  verb.run(TASKS, default='public', compile_cache=True)

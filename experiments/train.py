@@ -19,4 +19,4 @@ TASKS = dict(
 )
 
 if __name__ == '__main__':
-  verb.run(TASKS, default='draft')
+  verb.run(TASKS, default='draft', compile_cache=True)

@@ -303,3 +303,43 @@ def test_one_binary_per_verb_each_dispatching_to_tasks():
   assert verb.pop_task(['x', '--task', 'b', '-v'], {'a': 'm', 'b': 'n'}, 'a') == ('b', ['x', '-v'])
   with pytest.raises(SystemExit, match='not one of'):
     verb.pop_task(['x', '--task=nope'], {'a': 'm'}, 'a')
+
+
+def test_verb_binaries_keep_compiled_programs_in_the_compile_cache(tmp_path):
+  """data, train and evaluate set a persistent compilation cache (``--compile_cache``, '': none);
+  a compiled program lands there, and the timing binaries do not take the flag."""
+  import subprocess
+  import sys
+
+  (tmp_path / 'cache_probe.py').write_text(
+    'import jax, jax.numpy as jnp\n'
+    'def define_flags():\n  pass\n'
+    'def main(argv):\n'
+    '  print("cache:", jax.config.jax_compilation_cache_dir)\n'
+    '  jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((64, 64))).block_until_ready()\n'
+  )
+  root = pathlib.Path(__file__).parent.parent
+  env = dict(os.environ, PYTHONPATH=f'{tmp_path}{os.pathsep}{root}')
+  env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'  # store even a quick compile
+  code = (
+    'import sys; from experiments.tasks import verb; '
+    'verb.run({"probe": "cache_probe"}, "probe", compile_cache=%s)'
+  )
+
+  def probe(with_cache: bool, *args: str) -> str:
+    return subprocess.run(
+      [sys.executable, '-c', code % with_cache, *args],
+      env=env,
+      capture_output=True,
+      text=True,
+      check=True,
+    ).stdout
+
+  cache = tmp_path / 'xla'
+  assert f'cache: {cache}' in probe(True, f'--compile_cache={cache}')
+  assert any(cache.iterdir())  # the program was stored
+  assert probe(True, '--compile_cache=') == probe(False)  # '': the environment's setting kept
+  with pytest.raises(subprocess.CalledProcessError):  # no such flag without compile_cache
+    probe(False, f'--compile_cache={cache}')
+  for name in ('data', 'train', 'evaluate'):
+    assert 'compile_cache=True' in (root / 'experiments' / f'{name}.py').read_text()

@@ -148,6 +148,10 @@ def test_pipeline_on_smollm2_walk_equals_generate(smollm2, tmp_path):  # noqa: F
   continued = [line for line in table.splitlines() if line.startswith('| JetSpec, continued')]
   assert len(shipped) == len(continued) == 2  # chain, tree 8
   assert [line.split('|')[2:] for line in shipped] == [line.split('|')[2:] for line in continued]
+  result['provenance']['config']['labels'] = ['block 8', 'block 16']  # e.g. :block16
+  table = doc_tables.before_after({'results.json': result}, None)
+  assert sum(line.startswith('| JetSpec, block 8 |') for line in table.splitlines()) == 2
+  assert '(block 16)' in table and 'Block 16: ' in table and 'shipped' not in table
   # A baseline that walked another response under the same key is refused, not compared.
   records = [json.loads(line) for line in (tmp_path / 'walks.jsonl').read_text().splitlines()]
   tampered = next(r for r in records if (r['benchmark'], r['prompt_id']) in walked)

@@ -377,10 +377,6 @@ def main(argv):
   config = FLAGS.config
   workdir = pathlib.Path(FLAGS.workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  # Compiled walks persist across runs: a resumed run (or the next batch of prompts) skips the
-  # minutes each (head, length bucket) takes to compile on a CPU.
-  if FLAGS.compile_cache:
-    jax.config.update('jax_compilation_cache_dir', FLAGS.compile_cache)
   logging.info('JAX %s on %s', jax.__version__, jax.devices())
   stages = [s for s in FLAGS.stages.split(',') if s]
   unknown = set(stages) - set(STAGES)
@@ -405,11 +401,6 @@ def define_flags() -> None:
   )
   flags.DEFINE_string('workdir', None, 'Where responses, walks and results go.')
   flags.DEFINE_string('stages', ','.join(STAGES), 'Comma-separated stages to run.')
-  flags.DEFINE_string(
-    'compile_cache',
-    str(pathlib.Path.home() / '.cache' / 'jetspec_jax' / 'xla'),
-    'Persistent XLA compilation cache ("": none).',
-  )
   flags.DEFINE_integer('part', 0, 'walk: this process takes every parts-th prompt from part.')
   flags.DEFINE_integer('parts', 1, 'walk: processes walking side by side.')
   flags.DEFINE_string(

@@ -2,9 +2,16 @@
 --workdir=...`` imports the task's module, defines its flags and runs its ``main`` under absl."""
 
 import importlib
+import pathlib
 import sys
 
-from absl import app
+import jax
+from absl import app, flags
+
+# Compiled programs persist across runs of the data, train and evaluate verbs: a resumed or
+# repeated run skips the minutes each shape (a prefill bucket, a walk, a train step) takes to
+# compile on a CPU. The timing verbs (benchmark, microbench) compile afresh.
+COMPILE_CACHE = pathlib.Path.home() / '.cache' / 'jetspec_jax' / 'xla'
 
 
 def pop_task(argv: list[str], tasks: dict[str, str], default: str) -> tuple[str, list[str]]:
@@ -25,9 +32,31 @@ def pop_task(argv: list[str], tasks: dict[str, str], default: str) -> tuple[str,
   return task, rest
 
 
-def run(tasks: dict[str, str], default: str, argv: list[str] | None = None) -> None:
-  """Runs the chosen task's module (``tasks``: name -> module path) as an absl program."""
+def run(
+  tasks: dict[str, str],
+  default: str,
+  argv: list[str] | None = None,
+  compile_cache: bool = False,
+) -> None:
+  """Runs the chosen task's module (``tasks``: name -> module path) as an absl program;
+  ``compile_cache``: with the ``--compile_cache`` flag (a persistent XLA compilation cache)."""
   task, rest = pop_task(list(sys.argv if argv is None else argv), tasks, default)
   module = importlib.import_module(tasks[task])
   module.define_flags()
-  app.run(module.main, argv=rest)
+  main = module.main
+  if compile_cache:
+    flags.DEFINE_string(
+      'compile_cache', str(COMPILE_CACHE), 'Persistent XLA compilation cache ("": none).'
+    )
+
+    def main(argv):
+      use_compile_cache(flags.FLAGS.compile_cache)
+      return module.main(argv)
+
+  app.run(main, argv=rest)
+
+
+def use_compile_cache(directory: str) -> None:
+  """Compiled programs are stored in, and read back from, ``directory`` ('': not at all)."""
+  if directory:
+    jax.config.update('jax_compilation_cache_dir', directory)

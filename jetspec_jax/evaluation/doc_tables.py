@@ -301,9 +301,12 @@ def wallclock(records: dict[str, dict], arg: str | None) -> str:
 
 
 def before_after(records: dict[str, dict], arg: str | None) -> str:
-  """A head walked beside the one it continues (``public_smollm2.py:retrained``): per set and
-  method, tau of the baseline's head and of the new one on the same records."""
+  """A head walked beside a baseline workdir's (``public_smollm2.py:retrained``, ``:block16``):
+  per set and method, tau of the baseline's head and of the new one on the same records, named
+  by the config's ``labels`` (baseline, new)."""
   ((source, result),) = records.items()
+  config = result['provenance']['config']
+  was, now = config.get('labels') or ('shipped', 'continued')
   base = _public_rows(result['baseline'])
   rows = _public_rows(result)
   sets = [b for b in report.BENCHMARKS if b in result['sets'] and result['sets'][b]['walked']]
@@ -318,7 +321,7 @@ def before_after(records: dict[str, dict], arg: str | None) -> str:
     before = base.get((drafter, method))
     if before is None:
       continue
-    for name, row in (('shipped', before), ('continued', after)):
+    for name, row in ((was, before), (now, after)):
       cells = [_fmt(row['sets'].get(b, {}).get('tau')) for b in sets]
       lines.append(
         f'| {DRAFTERS[drafter][0]}, {name} | {method} | '
@@ -327,17 +330,17 @@ def before_after(records: dict[str, dict], arg: str | None) -> str:
       )
   walked = sum(result['sets'][b]['walked'] for b in sets)
   heads = result['provenance']['heads']
-
+  responses = config.get('responses_from') or result['baseline']['source']
   lines += [
     '',
-    f'{walked} records of {result["baseline"]["source"]} (the first '
-    f'{result["provenance"]["config"]["walk_per_set"]} of each set), both heads walked along '
-    f'the same responses; weights: {report.checksums(heads)} (continued), '
-    f'{report.checksums(result["baseline"]["heads"], only=heads)} (shipped). Continued: '
-    f'{_machine(result["provenance"])}.',
+    f'{walked} records of {responses} (the first {config["walk_per_set"]} of each set), '
+    f'both heads walked along the same responses; weights: '
+    f'{report.checksums(heads)} ({now}), '
+    f'{report.checksums(result["baseline"]["heads"], only=heads)} ({was}). '
+    f'{now.capitalize()}: {_machine(result["provenance"])}.',
   ]
   if 'machine' in result['baseline']:
-    lines[-1] += f' Shipped: {_machine(result["baseline"]["machine"])}.'
+    lines[-1] += f' {was.capitalize()}: {_machine(result["baseline"]["machine"])}.'
   return '\n'.join(lines) + '\n'
 
 

@@ -12,6 +12,10 @@ of each set of benchmarks/public and shown beside the shipped head on the same r
 
   python -m experiments.evaluate --config=experiments/configs/evaluate/public_smollm2.py:retrained \
       --workdir=benchmarks/public_retrained --stages=walk,render
+
+``:block16``: the same continuation drafting blocks of 16, beside the blocks-of-8 head on the
+same records (its baseline is ``benchmarks/public_retrained``), workdir
+``benchmarks/public_block16``.
 """
 
 import ml_collections
@@ -74,11 +78,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.responses_from = ''
   config.walk_per_set = 0
   config.baseline = ''
+  config.labels = ['shipped', 'continued']  # the baseline's head and this one, in before/after
   if arg == 'retrained':
     config.heads = [['jetspec', 'runs/jetspec_public/export']]
     config.copy_drafter = False
     config.responses_from = 'benchmarks/public'
     config.baseline = 'benchmarks/public'
+    config.walk_per_set = 32
+    config.docs = ''
+  if arg == 'block16':
+    # The same continuation with blocks of 16 (draft_smollm2.py:jetspec_public at
+    # head.block_size=16, num_anchors=16: equal slots a step), beside the blocks-of-8 one
+    config.heads = [['jetspec', 'runs/jetspec_public_b16/export']]
+    config.copy_drafter = False
+    config.responses_from = 'benchmarks/public'
+    config.baseline = 'benchmarks/public_retrained'
+    config.labels = ['block 8', 'block 16']
     config.walk_per_set = 32
     config.docs = ''
   if arg == 'tiny':  # a few short responses, one head (tests)
