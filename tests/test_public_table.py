@@ -176,3 +176,30 @@ def test_overlap_index_finds_exact_and_13_gram_copies():
   assert (
     index.check('three four five six seven eight nine ten eleven twelve thirteen fourteen') is None
   )
+
+
+def test_heldout_compare_shows_deeper_depths_of_longer_blocks():
+  from jetspec_jax.evaluation import heldout_tables
+
+  def row(drafter, depths):
+    acc = [round(0.9 - 0.05 * k, 3) for k in range(depths)]
+    return dict(scope='whole responses', drafter=drafter, accuracy=acc, expected_tau=3.0)
+
+  record = dict(
+    heldout=dict(data_dir='data/smollm2_135m/data', sequences=32, anchors=64),
+    heldout_subdir='round2/greedy',
+    rows=[row('block8', 7), row('block16', 15)],
+    provenance=dict(
+      weights_sha256={'block8': {'model.safetensors': 'a' * 64}},
+      cpu='cpu',
+      cores=2,
+      commit='c' * 40,
+      date_utc='2026-01-01T00:00:00Z',
+    ),
+  )
+  plain = heldout_tables.heldout_compare({'h.json': record}, None)
+  assert 'depth-7' not in plain and '| smollm2_135m/round2/greedy | whole responses |' in plain
+  table = heldout_tables.heldout_compare({'h.json': record}, 'by_depth').splitlines()
+  assert table[0].count('|') == 10  # 9 columns: depths 1, 4, 7, 15 among them
+  assert table[2].split('|')[5:8] == [' 0.750 ', ' 0.600 ', ' — ']  # block8: no depth 15
+  assert table[3].split('|')[5:8] == [' 0.750 ', ' 0.600 ', ' 0.200 ']

@@ -64,17 +64,22 @@ def _heldout_set(record: dict) -> str:
 def heldout_compare(records: dict[str, dict], arg: str | None) -> str:
   """Heads side by side on held-out sets (``experiments/tasks/heldout.py`` files, one per set):
   per set, scope and drafter (the heads, then the copy drafter), the teacher-forced depth-1
-  accuracy, expected chain tau and walk tau."""
+  accuracy, expected chain tau and walk tau; ``:by_depth`` adds the accuracy at depths 4, 7 and
+  15 (a block of 8 drafts to depth 7, one of 16 to depth 15)."""
+  deep = (4, 7, 15) if arg == 'by_depth' else ()
+  head = ''.join(f' depth-{d} acc. |' for d in deep)
   lines = [
-    '| held-out set | scope | drafter | depth-1 acc. | expected chain tau | walk tau |',
-    '|---|---|---|---|---|---|',
+    f'| held-out set | scope | drafter | depth-1 acc. |{head} expected chain tau | walk tau |',
+    '|---|---|---|---|' + '---|' * len(deep) + '---|---|',
   ]
   for _, record in sorted(records.items()):
     for r in record['rows']:  # the heads', and the copy drafter's (prompt lookup)
+      acc = r['accuracy']
+      cells = ''.join(f' {_fmt(acc[d - 1] if d <= len(acc) else None, ".3f")} |' for d in deep)
       walk = _fmt(r.get('walk_tau'), '.3f')
       lines.append(
-        f'| {_heldout_set(record)} | {r["scope"]} | {r["drafter"]} | {r["accuracy"][0]:.3f} '
-        f'| {r["expected_tau"]:.3f} | {walk} |'
+        f'| {_heldout_set(record)} | {r["scope"]} | {r["drafter"]} | {acc[0]:.3f} |{cells} '
+        f'{r["expected_tau"]:.3f} | {walk} |'
       )
   first = next(iter(records.values()))
   checksums = report.checksums(first['provenance']['weights_sha256'])
