@@ -100,7 +100,7 @@ def test_each_turn_follows_the_targets_own_answers(tok, tmp_path):
 
 
 def test_greedy_turns_are_the_targets_own_and_resume_at_the_first_missing(tok, tmp_path):
-  """Greedy conversations go through one stream of refilled rows, several shards in flight: each
+  """Conversations go through one stream of refilled rows, several shards in flight: each
   answer equals AR decoding of its turn's prompt, and a shard whose later turns are lost is
   completed with the same answers."""
   target = js.testing.tiny_target(0, vocab_size=49152)
@@ -116,7 +116,6 @@ def test_greedy_turns_are_the_targets_own_and_resume_at_the_first_missing(tok, t
     max_prompt_len=200,
     sampled_every=0,
     temperature=0.0,
-    block_shards=2,
   )
   written = public_chat.generate(target, tok, convs, tmp_path, **kwargs)
   assert written == {'greedy': sum(len(c.turns) for c in convs), 'sampled': 0}

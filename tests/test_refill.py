@@ -127,3 +127,32 @@ def test_a_sample_is_its_prompts_own_whatever_the_rows_chunk_or_order():
   }  # seeds 0..4
   assert any(len(first[i]) != len(greedy[i]) or (first[i] != greedy[i]).any() for i in first)
   assert any(len(first[i]) != len(other[i]) or (first[i] != other[i]).any() for i in first)
+
+
+def test_a_mixed_stream_gives_each_prompt_its_own_kind_of_answer():
+  """A sampled stream whose ``greedy_of`` names some prompts: those get their greedy responses,
+  the others the same samples as in a sampled stream alone."""
+  target = testing.tiny_target(seed=3)
+  vocab = target.cfg.vocab_size
+  prompts = [testing.random_ids(40 + i, (3 + 5 * i,), vocab) for i in range(6)]
+  kwargs = dict(max_new_tokens=10, eos=[vocab - 1], capacity=256)
+  greedy = {f.index: f.tokens for f in refill.generate(target, iter(prompts), **kwargs)}
+  sampled = {
+    f.index: f.tokens
+    for f in refill.generate(target, iter(prompts), temperature=1.0, rows=2, chunk=4, **kwargs)
+  }
+  mixed = {
+    f.index: f.tokens
+    for f in refill.generate(
+      target,
+      iter(prompts),
+      temperature=1.0,
+      rows=3,
+      chunk=3,
+      greedy_of=lambda i: i % 2 == 0,
+      **kwargs,
+    )
+  }
+  for i in range(len(prompts)):
+    np.testing.assert_array_equal(mixed[i], (greedy if i % 2 == 0 else sampled)[i])
+  assert any(len(greedy[i]) != len(sampled[i]) or (greedy[i] != sampled[i]).any() for i in greedy)

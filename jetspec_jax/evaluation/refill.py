@@ -8,7 +8,8 @@ chunks the host collects the rows that ended and prefills the next prompts into 
 row-step but the stream's tail decodes a live response. Each row is the target's greedy decode of
 its own prompt (rows never read each other), as in :func:`jetspec_jax.decoding.generate`; or its
 sample, drawn with keys of the prompt's own seed and the token's position, so a sample does not
-depend on the rows, the chunk or the order prompts are answered in.
+depend on the rows, the chunk or the order prompts are answered in. One stream may mix both: a
+sampled stream decodes the prompts ``greedy_of`` names greedily, each row its own way.
 """
 
 import dataclasses
@@ -51,13 +52,15 @@ def _ended(tokens, counts, max_new_tokens: int, sampling: rounds_lib.Sampling):
   return sampling.is_eos(tokens) | (counts >= max_new_tokens)
 
 
-def _next(logits, seeds, counts, sampling: rounds_lib.Sampling):
+def _next(logits, seeds, counts, greedy, sampling: rounds_lib.Sampling):
   """Each row's next token (``counts``: tokens it has so far): the argmax, or a sample with the
-  key of (its prompt's seed, its position)."""
+  key of (its prompt's seed, its position); the argmax in a sampled stream's ``greedy`` rows."""
+  argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if sampling.temperature == 0.0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return argmax
   keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counts)
-  return jax.vmap(lambda lg, k: sampling.sample(lg[None], k)[0])(logits, keys)
+  sample = jax.vmap(lambda lg, k: sampling.sample(lg[None], k)[0])(logits, keys)
+  return jnp.where(greedy, argmax, sample)
 
 
 @functools.partial(
@@ -70,6 +73,7 @@ def _fill_row(
   prompt_len,
   row,
   seed,
+  greedy,
   capacity: int,
   max_new_tokens: int,
   sampling: rounds_lib.Sampling,
@@ -77,9 +81,9 @@ def _fill_row(
   """Prefills ``prompt`` (``int32[1, Pb]``) into the first ``Pb`` slots of cache row ``row`` (the
   prefill attends over those only, not the row's whole capacity; the slots after them keep what
   they held, unread: a row reads its first ``lengths`` slots); its first token is the prefill's
-  argmax (or sample, with the prompt's ``seed``)."""
+  argmax (or sample, with the prompt's ``seed``, unless ``greedy``)."""
   del capacity  # the rows' capacity: the prefill's own cache is only as wide as the prompt
-  cache, tok, done, counts, out, seeds = state
+  cache, tok, done, counts, out, seeds, greedy_rows = state
   small, last_logits, _ = rounds_lib.prefill(target, prompt, prompt_len[None], prompt.shape[1])
   cache = jax.tree.map(
     lambda big, one: jax.lax.dynamic_update_slice(
@@ -88,10 +92,11 @@ def _fill_row(
     cache,
     small,
   )
-  first = _next(last_logits, seed[None], jnp.zeros((1,), jnp.int32), sampling)[0]
+  first = _next(last_logits, seed[None], jnp.zeros((1,), jnp.int32), greedy[None], sampling)[0]
   out = out.at[row].set(jnp.zeros_like(out[row]).at[0].set(first))
   done = done.at[row].set(_ended(first, 1, max_new_tokens, sampling))
-  return cache, tok.at[row].set(first), done, counts.at[row].set(1), out, seeds.at[row].set(seed)
+  seeds, greedy_rows = seeds.at[row].set(seed), greedy_rows.at[row].set(greedy)
+  return cache, tok.at[row].set(first), done, counts.at[row].set(1), out, seeds, greedy_rows
 
 
 @functools.partial(
@@ -101,16 +106,16 @@ def _decode(target, state, steps: int, max_new_tokens: int, sampling: rounds_lib
   """``steps`` steps of every row; a finished row keeps its cache length and output."""
 
   def body(_, carry):
-    cache, tok, done, counts, out, seeds = carry
+    cache, tok, done, counts, out, seeds, greedy = carry
     step = target.forward(tok[:, None], cache)
-    nxt = _next(target.lm_logits(step.hidden[:, 0]), seeds, counts, sampling)
+    nxt = _next(target.lm_logits(step.hidden[:, 0]), seeds, counts, greedy, sampling)
     live = ~done
     slot = jnp.where(live, counts, max_new_tokens)  # out of bounds: dropped
     out = out.at[jnp.arange(out.shape[0]), slot].set(nxt, mode='drop')
     counts = counts + live.astype(jnp.int32)
     done = done | (live & _ended(nxt, counts, max_new_tokens, sampling))
     cache = step.cache.replace(lengths=jnp.where(live, step.cache.lengths, cache.lengths))
-    return cache, nxt, done, counts, out, seeds
+    return cache, nxt, done, counts, out, seeds, greedy
 
   return jax.lax.fori_loop(0, steps, body, state)
 
@@ -128,6 +133,7 @@ def generate(
   temperature: float = 0.0,
   top_p: float = 1.0,
   seed_of: Callable[[int], int] | None = None,
+  greedy_of: Callable[[int], bool] | None = None,
 ) -> list[Finished]:
   """Greedy (or sampled) responses of ``prompts`` (1-D token ids), ``rows`` decoded side by side.
 
@@ -149,6 +155,9 @@ def generate(
       a response with the key ``fold_in(key(seed), t)``.
     seed_of: the seed (an int below 2**31) of the prompt drawn ``index``-th (default: its
       index): a prompt keeps its sample when the stream's order changes (e.g. a resumed run).
+    greedy_of: in a sampled stream, whether the prompt drawn ``index``-th is answered greedily
+      instead (default: none is): greedy and sampled answers side by side, each the same as in
+      a stream of its own kind.
 
   Returns:
     The responses, in the order they finished.
@@ -175,6 +184,7 @@ def generate(
       jnp.zeros((rows,), jnp.int32),
       jnp.zeros((rows, max_new_tokens), jnp.int32),
       jnp.zeros((rows,), jnp.int32),  # each row's prompt seed
+      jnp.zeros((rows,), bool),  # each row's prompt answered greedily (a sampled stream)
     )
 
   state = None  # made with the first prompt: a stream with nothing to ask allocates no cache
@@ -201,6 +211,7 @@ def generate(
       )
     owner[row], drawn = drawn, drawn + 1
     seed = owner[row] if seed_of is None else int(seed_of(owner[row]))
+    greedy = greedy_of is not None and bool(greedy_of(owner[row]))
     if state is None:
       state = empty_rows()
     padded = np.zeros((1, padded_length(len(ids))), np.int32)
@@ -213,6 +224,7 @@ def generate(
       np.int32(len(ids)),
       np.int32(row),
       np.int32(seed),
+      np.bool_(greedy),
       capacity,
       max_new_tokens,
       sampling,

@@ -231,7 +231,6 @@ def generate(
   temperature: float,
   top_p: float = 1.0,
   seed: int = 0,
-  block_shards: int = 12,
 ) -> dict[str, int]:
   """Answers every turn of ``conversations`` into ``data_dir/{greedy,sampled}/turn{k}/``.
 
@@ -242,44 +241,38 @@ def generate(
   ``max_prompt_len`` tokens is not asked (nor the conversation's later turns). Each shard's
   conversation ids go beside it (``shard_*.ids.json``).
 
-  Each kind's conversations are one stream of prompts through ``batch_size`` cache rows refilled
-  as answers end (:func:`_stream`), ``block_shards`` greedy shards at a time, then the sampled
-  ones in the same share of theirs; a conversation's next turn is asked as soon as its answer
-  ends. A sampled answer's keys come from (``seed``, conversation, turn), so a resumed run asks
-  the same. Shards are claimed while they are written
+  Every conversation is one stream of prompts through ``batch_size`` cache rows refilled as
+  answers end (:func:`_stream`), greedy and sampled shards interleaved in proportion, so the rows
+  never wait for the longest answer of a batch; a conversation's next turn is asked as soon as
+  its answer ends. A sampled answer's keys come from (``seed``, conversation, turn), so a resumed
+  run asks the same. Shards are claimed while they are written
   (:class:`~jetspec_jax.training.shards.ShardClaim`), so processes started side by side split
   the work, and a rerun resumes at the first turn not written. Returns the sequences written
-  by this call.
+  by this call, per kind.
   """
   kinds = {'greedy': [], 'sampled': []}
   for i, conv in enumerate(conversations):
     kinds[kind_of(i, sampled_every)].append(conv)
-  shards = {
-    kind: [(s, convs[i : i + shard_size]) for s, i in enumerate(range(0, len(convs), shard_size))]
-    for kind, convs in kinds.items()
-  }
-  common = dict(
+  shards = []  # (place in its kind's list, kind, shard index, conversations)
+  for kind, convs in kinds.items():
+    starts = range(0, len(convs), shard_size)
+    shards += [
+      ((s + 0.5) / len(starts), kind, s, convs[i : i + shard_size]) for s, i in enumerate(starts)
+    ]
+  shards.sort(key=lambda x: (x[0], x[1]))
+  return _stream(
+    target,
+    tok,
+    [x[1:] for x in shards],
+    data_dir,
     rows=batch_size,
     max_turns=max_turns,
     max_new_tokens=max_new_tokens,
     max_prompt_len=max_prompt_len,
+    temperature=temperature if kinds['sampled'] else 0.0,
+    top_p=top_p if temperature else 1.0,
+    seed=seed,
   )
-  sampled_kwargs = dict(temperature=temperature, top_p=top_p if temperature else 1.0, seed=seed)
-  written = {'greedy': 0, 'sampled': 0}
-  greedy, sampled = shards['greedy'], shards['sampled']
-  sampled_done = 0
-  for b in range(0, max(len(greedy), 1), block_shards):
-    block = greedy[b : b + block_shards]
-    written['greedy'] += _stream(target, tok, 'greedy', block, data_dir, **common)
-    # the sampled shards in the same share of theirs as the greedy ones done (all after the last)
-    last = b + block_shards >= len(greedy)
-    share = len(sampled) if last else -(-(b + len(block)) * len(sampled) // len(greedy))
-    written['sampled'] += _stream(
-      target, tok, 'sampled', sampled[sampled_done:share], data_dir, **common, **sampled_kwargs
-    )
-    sampled_done = max(sampled_done, share)
-    logging.info('conversation shards: %d greedy, %d sampled done', b + len(block), sampled_done)
-  return written
 
 
 def answer_seed(seed: int, conv_id: str, turn: int) -> int:
@@ -333,7 +326,6 @@ class _ShardInFlight:
 def _stream(
   target,
   tok,
-  kind,
   shards,
   data_dir,
   *,
@@ -344,18 +336,18 @@ def _stream(
   temperature=0.0,
   top_p=1.0,
   seed=0,
-) -> int:
-  """Answers the conversation ``shards`` ((index, conversations) pairs) of ``kind`` as one stream
-  through refilled cache rows (:func:`jetspec_jax.evaluation.refill.generate`; sampled at
-  ``temperature`` > 0): a shard is taken when the stream has nothing else to ask, each
-  conversation's next turn is queued when its answer ends, and a shard's turn is written once
-  all its answers are in. A shard whose turns are partly written resumes at the first one
-  missing. Returns the sequences written."""
+) -> dict[str, int]:
+  """Answers the conversation ``shards`` ((kind, index, conversations)) as one stream through
+  refilled cache rows (:func:`jetspec_jax.evaluation.refill.generate`; the sampled kind's at
+  ``temperature`` > 0, the greedy kind's greedily): a shard is taken when the stream has
+  nothing else to ask, each conversation's next turn is queued when its answer ends, and a
+  shard's turn is written once all its answers are in. A shard whose turns are partly written
+  resumes at the first one missing. Returns the sequences written, per kind."""
   max_len = max_prompt_len + max_new_tokens
   pending = collections.deque()  # (shard, conversation, turn, prompt ids)
   drawn = []  # the stream's prompts in the order refill draws them
   in_flight: list[_ShardInFlight] = []
-  written = 0
+  written = {'greedy': 0, 'sampled': 0}
   answered = [0, time.perf_counter()]  # response tokens so far, and the stream's start
 
   def ask_next(shard, conv, turn):
@@ -367,14 +359,13 @@ def _stream(
       pending.append((shard, conv, turn, ids))
 
   def settle(shard):
-    nonlocal written
     before = shard.next_to_write
-    written += shard.write_ready(max_len)
+    written[shard.kind] += shard.write_ready(max_len)
     if shard.next_to_write > before:
       seconds = time.perf_counter() - answered[1]
       logging.info(
         '%s shard %d: turns %d-%d written; stream: %d response tokens, %.1f tokens/s',
-        kind,
+        shard.kind,
         shard.s,
         before,
         shard.next_to_write - 1,
@@ -385,7 +376,7 @@ def _stream(
       shard.claim.__exit__(None, None, None)
       in_flight.remove(shard)
 
-  def open_shard(s, chunk) -> None:
+  def open_shard(kind, s, chunk) -> None:
     shard = _ShardInFlight(data_dir, kind, s, chunk, None, max_turns)
     while shard.next_to_write <= max_turns and shard.path(shard.next_to_write).exists():
       for conv_id, text in read_answers(tok, shard.path(shard.next_to_write)).items():
@@ -437,6 +428,7 @@ def _stream(
       temperature=temperature,
       top_p=top_p,
       seed_of=lambda i: answer_seed(seed, drawn[i][1].conv_id, drawn[i][2]),
+      greedy_of=lambda i: drawn[i][0].kind == 'greedy',
     )
   finally:
     for shard in in_flight:
