@@ -203,3 +203,19 @@ def test_heldout_compare_shows_deeper_depths_of_longer_blocks():
   assert table[0].count('|') == 10  # 9 columns: depths 1, 4, 7, 15 among them
   assert table[2].split('|')[5:8] == [' 0.750 ', ' 0.600 ', ' — ']  # block8: no depth 15
   assert table[3].split('|')[5:8] == [' 0.750 ', ' 0.600 ', ' 0.200 ']
+  # Another file of the same set (another head and the same copy drafter): rows after the first
+  # file's, the copy drafter named by its block and shown once, both files' weights and commits.
+  copy = row('copy (prompt lookup, n <= 3)', 15)
+  other = dict(
+    record,
+    rows=[row('other', 15), copy],
+    provenance=dict(
+      record['provenance'], weights_sha256={'other': {'m': 'b' * 64}}, commit='d' * 40
+    ),
+  )
+  record['rows'].append(copy)
+  table = heldout_tables.heldout_compare({'a.json': record, 'b.json': other}, 'by_depth')
+  drafters = [line.split('|')[3].strip() for line in table.splitlines()[2:6]]
+  assert drafters == ['block8', 'block16', 'copy (prompt lookup, n <= 3), block 16', 'other']
+  assert '`aaaaaaaaaaaa`' in table and '`bbbbbbbbbbbb`' in table
+  assert '`cccccccccccc`' in table and '`dddddddddddd`' in table

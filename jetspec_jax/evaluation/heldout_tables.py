@@ -62,31 +62,43 @@ def _heldout_set(record: dict) -> str:
 
 
 def heldout_compare(records: dict[str, dict], arg: str | None) -> str:
-  """Heads side by side on held-out sets (``experiments/tasks/heldout.py`` files, one per set):
-  per set, scope and drafter (the heads, then the copy drafter), the teacher-forced depth-1
-  accuracy, expected chain tau and walk tau; ``:by_depth`` adds the accuracy at depths 4, 7 and
-  15 (a block of 8 drafts to depth 7, one of 16 to depth 15)."""
+  """Heads side by side on held-out sets (``experiments/tasks/heldout.py`` files, one per set and
+  group of heads): per set (the files' order within one), scope and drafter (the heads, then the
+  copy drafter), the teacher-forced depth-1 accuracy, expected chain tau and walk tau;
+  ``:by_depth`` adds the accuracy at depths 4, 7 and 15 (a block of 8 drafts to depth 7, one of
+  16 to depth 15) and names the copy drafter's block (a row shown once)."""
   deep = (4, 7, 15) if arg == 'by_depth' else ()
   head = ''.join(f' depth-{d} acc. |' for d in deep)
   lines = [
     f'| held-out set | scope | drafter | depth-1 acc. |{head} expected chain tau | walk tau |',
     '|---|---|---|---|' + '---|' * len(deep) + '---|---|',
   ]
-  for _, record in sorted(records.items()):
-    for r in record['rows']:  # the heads', and the copy drafter's (prompt lookup)
-      acc = r['accuracy']
-      cells = ''.join(f' {_fmt(acc[d - 1] if d <= len(acc) else None, ".3f")} |' for d in deep)
-      walk = _fmt(r.get('walk_tau'), '.3f')
-      lines.append(
-        f'| {_heldout_set(record)} | {r["scope"]} | {r["drafter"]} | {acc[0]:.3f} |{cells} '
-        f'{r["expected_tau"]:.3f} | {walk} |'
-      )
-  first = next(iter(records.values()))
-  checksums = report.checksums(first['provenance']['weights_sha256'])
+  ordered = sorted(records.items())
+  rows = [(_heldout_set(record), r) for _, record in ordered for r in record['rows']]
+  seen = set()
+  for name, r in sorted(rows, key=lambda x: x[0]):  # stable: each set's rows in file order
+    acc, drafter = r['accuracy'], r['drafter']
+    if deep and drafter.startswith('copy'):  # the heads' and the copy drafter's (prompt lookup)
+      drafter = f'{drafter}, block {len(acc) + 1}'
+    key = (name, r['scope'], drafter, r['expected_tau'])
+    if key in seen:
+      continue
+    seen.add(key)
+    cells = ''.join(f' {_fmt(acc[d - 1] if d <= len(acc) else None, ".3f")} |' for d in deep)
+    walk = _fmt(r.get('walk_tau'), '.3f')
+    lines.append(
+      f'| {name} | {r["scope"]} | {drafter} | {acc[0]:.3f} |{cells} '
+      f'{r["expected_tau"]:.3f} | {walk} |'
+    )
+  first = ordered[0][1]
+  weights = {k: v for _, rec in ordered for k, v in rec['provenance']['weights_sha256'].items()}
+  made = {
+    rec['provenance']['commit']: report.machine(rec['provenance']) for _, rec in ordered[::-1]
+  }
   lines += [
     '',
     f"{first['heldout']['sequences']} sequences (at most) of each set's first shard, never "
-    f'trained on, {first["heldout"]["anchors"]} anchors each; weights: {checksums}. '
-    f'{report.machine(first["provenance"])}.',
+    f'trained on, {first["heldout"]["anchors"]} anchors each; weights: '
+    f'{report.checksums(weights)}. {"; ".join(reversed(made.values()))}.',
   ]
   return '\n'.join(lines) + '\n'
