@@ -1,5 +1,6 @@
 """The draft head: block masks, context cache, released checkpoint layout, fit checks."""
 
+import dataclasses
 import json
 
 import jax
@@ -52,6 +53,20 @@ def test_causal_slots_ignore_later_slots(target, causal):
     else:
       assert not earlier_same
     assert not np.allclose(changed[j:], base[j:], atol=1e-6)
+
+
+def test_one_set_of_weights_drafts_blocks_of_8_and_16(target):
+  """No weight depends on the block size: a head of blocks of 8 runs at 16 with the same weights,
+  and a causal one's first 8 slots there are its blocks-of-8 outputs."""
+  head8 = js.testing.random_draft_head(target, block_size=8, causal=True, seed=1)
+  head16 = dh.DraftHead(dataclasses.replace(head8.cfg, block_size=16), head8.params)
+  fresh = dh.init_head_params(head16.cfg, jax.random.key(0))
+  assert jax.tree.map(jnp.shape, fresh) == jax.tree.map(jnp.shape, head8.params)
+  ctx = features(0, 9, head8)
+  x = jax.random.normal(jax.random.key(2), (16, head8.cfg.hidden_size))
+  np.testing.assert_allclose(
+    block_hidden(head16, ctx, x)[:8], block_hidden(head8, ctx, x[:8]), atol=ATOL
+  )
 
 
 def test_context_at_or_after_anchor_is_invisible(target):
