@@ -152,6 +152,10 @@ def test_pipeline_on_smollm2_walk_equals_generate(smollm2, tmp_path):  # noqa: F
   table = doc_tables.before_after({'results.json': result}, None)
   assert sum(line.startswith('| JetSpec, block 8 |') for line in table.splitlines()) == 2
   assert '(block 16)' in table and 'Block 16: ' in table and 'shipped' not in table
+  assert 'js.generate' not in table  # no check stage in this workdir
+  result['check'] = dict(records=4, outputs_equal=4, rounds_equal=3)
+  table = doc_tables.before_after({'results.json': result}, None)
+  assert 're-decoded 4 walked records' in table and '4 outputs and 3 round counts' in table
   # A baseline that walked another response under the same key is refused, not compared.
   records = [json.loads(line) for line in (tmp_path / 'walks.jsonl').read_text().splitlines()]
   tampered = next(r for r in records if (r['benchmark'], r['prompt_id']) in walked)

@@ -341,6 +341,13 @@ def before_after(records: dict[str, dict], arg: str | None) -> str:
   ]
   if 'machine' in result['baseline']:
     lines[-1] += f' {was.capitalize()}: {_machine(result["baseline"]["machine"])}.'
+  if 'check' in result:  # walked records re-decoded with js.generate (the 'check' stage)
+    c = result['check']
+    lines[-1] += (
+      f' The {now} head re-decoded {c["records"]} walked records (drafters x methods) with '
+      f'js.generate: {c["outputs_equal"]} outputs and {c["rounds_equal"]} round counts equal '
+      'to the walk.'
+    )
   return '\n'.join(lines) + '\n'
 
 
