@@ -2,16 +2,12 @@
 --workdir=...`` imports the task's module, defines its flags and runs its ``main`` under absl."""
 
 import importlib
-import pathlib
 import sys
 
 import jax
 from absl import app, flags
 
-# Compiled programs persist across runs of the data, train and evaluate verbs: a resumed or
-# repeated run skips the minutes each shape (a prefill bucket, a walk, a train step) takes to
-# compile on a CPU. The timing verbs (benchmark, microbench) compile afresh.
-COMPILE_CACHE = pathlib.Path.home() / '.cache' / 'jetspec_jax' / 'xla'
+from jetspec_jax.models import model_cache
 
 
 def pop_task(argv: list[str], tasks: dict[str, str], default: str) -> tuple[str, list[str]]:
@@ -45,8 +41,13 @@ def run(
   module.define_flags()
   main = module.main
   if compile_cache:
+    # Compiled programs persist across runs of the data, train and evaluate verbs: a resumed or
+    # repeated run skips the minutes each shape (a prefill bucket, a walk, a train step) takes
+    # to compile on a CPU. The timing verbs (benchmark, microbench) compile afresh.
     flags.DEFINE_string(
-      'compile_cache', str(COMPILE_CACHE), 'Persistent XLA compilation cache ("": none).'
+      'compile_cache',
+      str(model_cache.cache_dir() / 'xla'),
+      'Persistent XLA compilation cache ("": none).',
     )
 
     def main(argv):

@@ -92,13 +92,13 @@ def heldout_compare(records: dict[str, dict], arg: str | None) -> str:
     )
   first = ordered[0][1]
   weights = {k: v for _, rec in ordered for k, v in rec['provenance']['weights_sha256'].items()}
-  made = {
-    rec['provenance']['commit']: report.machine(rec['provenance']) for _, rec in ordered[::-1]
-  }
+  made = {}  # commit -> the machine line of its first file
+  for _, rec in ordered:
+    made.setdefault(rec['provenance']['commit'], report.machine(rec['provenance']))
   lines += [
     '',
     f"{first['heldout']['sequences']} sequences (at most) of each set's first shard, never "
     f'trained on, {first["heldout"]["anchors"]} anchors each; weights: '
-    f'{report.checksums(weights)}. {"; ".join(reversed(made.values()))}.',
+    f'{report.checksums(weights)}. {"; ".join(made.values())}.',
   ]
   return '\n'.join(lines) + '\n'
