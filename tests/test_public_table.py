@@ -156,6 +156,25 @@ def test_pipeline_on_smollm2_walk_equals_generate(smollm2, tmp_path):  # noqa: F
   result['check'] = dict(records=4, outputs_equal=4, rounds_equal=3)
   table = doc_tables.before_after({'results.json': result}, None)
   assert 're-decoded 4 walked records' in table and '4 outputs and 3 round counts' in table
+  # Another family's head beside the baseline's (config.baseline_drafter): rows paired by
+  # method, each named by its own drafter (a renamed copy of the walks here).
+  other = tmp_path / 'other'
+  other.mkdir()
+  lines = (again / 'walks.jsonl').read_text().replace('"drafter": "jetspec"', '"drafter": "dflash"')
+  (other / 'walks.jsonl').write_text(lines)
+  config.heads, config.baseline_drafter = [['dflash', config.heads[0][1]]], 'jetspec'
+  config.labels = ['block 8', 'block 16']
+  public_table.run_render(config, other, '')
+  crossed = json.loads((other / 'results.json').read_text())
+  assert {r['drafter'] for r in crossed['baseline']['rows']} == {'jetspec'}
+  assert {r['drafter'] for r in crossed['rows']} == {'dflash'}
+  table = doc_tables.before_after({'results.json': crossed}, None)
+  jet = [line for line in table.splitlines() if line.startswith('| JetSpec, block 8 |')]
+  dfl = [line for line in table.splitlines() if line.startswith('| DFlash-style, block 16 |')]
+  assert len(jet) == len(dfl) == 2
+  assert [line.split('|')[2:] for line in jet] == [line.split('|')[2:] for line in dfl]
+  assert 'jetspec `' in table and 'dflash `' in table
+  config.heads, config.baseline_drafter = [['jetspec', config.heads[0][1]]], ''
   # A baseline that walked another response under the same key is refused, not compared.
   records = [json.loads(line) for line in (tmp_path / 'walks.jsonl').read_text().splitlines()]
   tampered = next(r for r in records if (r['benchmark'], r['prompt_id']) in walked)

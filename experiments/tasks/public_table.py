@@ -333,8 +333,9 @@ def run_render(config, workdir: pathlib.Path, docs_path) -> None:
     [stored[k] for k in keys], walked.values(), batch_size=config.batch_size, contamination=overlap
   )
   if config.baseline:
-    # The baseline's walks of the same records, its rows of the drafters walked here only.
-    drafters = {name for name, _ in config.heads}
+    # The baseline's walks of the same records, its rows of the drafters walked here only (or
+    # of config.baseline_drafter: another family's head on the same records).
+    drafters = {config.get('baseline_drafter') or name for name, _ in config.heads}
     before = read_walks(pathlib.Path(config.baseline))
     missing = [k for k in walked if k not in before]
     if missing:

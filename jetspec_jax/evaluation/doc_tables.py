@@ -303,10 +303,12 @@ def wallclock(records: dict[str, dict], arg: str | None) -> str:
 def before_after(records: dict[str, dict], arg: str | None) -> str:
   """A head walked beside a baseline workdir's (``public_smollm2.py:retrained``, ``:block16``):
   per set and method, tau of the baseline's head and of the new one on the same records, named
-  by the config's ``labels`` (baseline, new)."""
+  by the config's ``labels`` (baseline, new). With ``baseline_drafter`` the baseline's rows are
+  that drafter's (``:dflash_block16``: a DFlash-style head beside the JetSpec one)."""
   ((source, result),) = records.items()
   config = result['provenance']['config']
   was, now = config.get('labels') or ('shipped', 'continued')
+  paired = config.get('baseline_drafter') or None
   base = _public_rows(result['baseline'])
   rows = _public_rows(result)
   sets = [b for b in report.BENCHMARKS if b in result['sets'] and result['sets'][b]['walked']]
@@ -318,13 +320,13 @@ def before_after(records: dict[str, dict], arg: str | None) -> str:
   for (drafter, method), after in sorted(
     rows.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], len(order)), kv[0][1])
   ):
-    before = base.get((drafter, method))
+    before = base.get((paired or drafter, method))
     if before is None:
       continue
     for name, row in ((was, before), (now, after)):
       cells = [_fmt(row['sets'].get(b, {}).get('tau')) for b in sets]
       lines.append(
-        f'| {DRAFTERS[drafter][0]}, {name} | {method} | '
+        f'| {DRAFTERS[row["drafter"]][0]}, {name} | {method} | '
         + ' | '.join(cells)
         + f' | {_fmt(row["mean_over_sets"])} |'
       )
@@ -336,7 +338,8 @@ def before_after(records: dict[str, dict], arg: str | None) -> str:
     f'{walked} records of {responses} (the first {config["walk_per_set"]} of each set), '
     f'both heads walked along the same responses; weights: '
     f'{report.checksums(heads)} ({now}), '
-    f'{report.checksums(result["baseline"]["heads"], only=heads)} ({was}). '
+    f'{report.checksums(result["baseline"]["heads"], only=[paired] if paired else heads)} '
+    f'({was}). '
     f'{now.capitalize()}: {_machine(result["provenance"])}.',
   ]
   if 'machine' in result['baseline']:

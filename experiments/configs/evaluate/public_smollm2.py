@@ -15,7 +15,9 @@ of each set of benchmarks/public and shown beside the shipped head on the same r
 
 ``:block16``: the same continuation drafting blocks of 16, beside the blocks-of-8 head on the
 same records (its baseline is ``benchmarks/public_retrained``), workdir
-``benchmarks/public_block16``.
+``benchmarks/public_block16``. ``:dflash_block16``: the DFlash-style head continued the same way
+at blocks of 16, beside the JetSpec one on the same records (baseline
+``benchmarks/public_block16``), workdir ``benchmarks/causal_vs_bidirectional``.
 """
 
 import ml_collections
@@ -79,6 +81,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.walk_per_set = 0
   config.baseline = ''
   config.labels = ['shipped', 'continued']  # the baseline's head and this one, in before/after
+  config.baseline_drafter = ''  # the baseline's drafter beside each head ('': the same name)
   if arg == 'retrained':
     config.heads = [['jetspec', 'runs/jetspec_public/export']]
     config.copy_drafter = False
@@ -94,6 +97,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.responses_from = 'benchmarks/public'
     config.baseline = 'benchmarks/public_retrained'
     config.labels = ['block 8', 'block 16']
+    config.walk_per_set = 32
+    config.docs = ''
+  if arg == 'dflash_block16':
+    # The DFlash-style (bidirectional) twin of the blocks-of-16 JetSpec head: same data, steps
+    # and slots (draft_smollm2.py:dflash_public at head.block_size=16, num_anchors=16, 600
+    # steps), beside it on the same records
+    config.heads = [['dflash', 'runs/dflash_public_b16_600/export']]
+    config.copy_drafter = False
+    config.responses_from = 'benchmarks/public'
+    config.baseline = 'benchmarks/public_block16'
+    config.baseline_drafter = 'jetspec'
+    config.labels = ['block 16', 'block 16']
     config.walk_per_set = 32
     config.docs = ''
   if arg == 'tiny':  # a few short responses, one head (tests)
