@@ -108,7 +108,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.responses_from = 'benchmarks/public'
     config.baseline = 'benchmarks/public_block16'
     config.baseline_drafter = 'jetspec'
-    config.labels = ['block 16', 'block 16']
+    config.labels = ['causal', 'bidirectional']
     config.walk_per_set = 32
     config.docs = ''
   if arg == 'tiny':  # a few short responses, one head (tests)
