@@ -18,6 +18,11 @@ same records (its baseline is ``benchmarks/public_retrained``), workdir
 ``benchmarks/public_block16``. ``:dflash_block16``: the DFlash-style head continued the same way
 at blocks of 16, beside the JetSpec one on the same records (baseline
 ``benchmarks/public_block16``), workdir ``benchmarks/causal_vs_bidirectional``.
+``:jetspecpp_block16`` and ``:dspark_block16``: those two heads continued the same way, beside
+the shipped ones (workdirs ``benchmarks/public_block16/jetspecpp`` and ``.../dspark``).
+``:block16_file`` and ``:dflash_block16_file``: the shipped bfloat16 files of the
+blocks-of-16 JetSpec and DFlash-style heads beside their walked float32 exports, 4 records a set
+(workdirs ``benchmarks/public_block16/file_jetspec`` and ``.../file_dflash``).
 """
 
 import ml_collections
@@ -110,6 +115,33 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.baseline_drafter = 'jetspec'
     config.labels = ['causal', 'bidirectional']
     config.walk_per_set = 32
+    config.docs = ''
+  if arg in ('jetspecpp_block16', 'dspark_block16'):
+    # The JetSpec++ and DSpark heads continued at the same recipe as the blocks-of-16 pair
+    # (draft_smollm2.py:<head>_public, blocks of 16 (DSpark: 15 drafts, its anchor predicts too),
+    # 16 anchors, 600 steps), their shipped bfloat16 files walked beside the heads they continue
+    kind = arg.removesuffix('_block16')
+    config.heads = [[kind, f'assets/{kind}_head_smollm2_135m_b16']]
+    config.copy_drafter = False
+    config.responses_from = 'benchmarks/public'
+    config.baseline = 'benchmarks/public'
+    config.labels = ['shipped', 'block 16']
+    config.walk_per_set = 32
+    config.docs = ''
+  if arg in ('block16_file', 'dflash_block16_file'):
+    # The shipped bfloat16 file of a blocks-of-16 head beside the float32 export that was
+    # walked (its workdir the baseline), on the first 4 records of each set: does the cast
+    # change a round?
+    kind = 'dflash' if arg.startswith('dflash') else 'jetspec'
+    config.heads = [[kind, f'assets/{kind}_head_smollm2_135m_b16']]
+    config.copy_drafter = False
+    config.responses_from = 'benchmarks/public'
+    config.baseline = {
+      'jetspec': 'benchmarks/public_block16',
+      'dflash': 'benchmarks/causal_vs_bidirectional',
+    }[kind]
+    config.labels = ['float32 export', 'bfloat16 file']
+    config.walk_per_set = 4
     config.docs = ''
   if arg == 'tiny':  # a few short responses, one head (tests)
     config.samples = [['humaneval', 1], ['mtbench', 1]]
