@@ -169,14 +169,27 @@ def test_result_files_record_what_made_them():
     assert 'weights_sha256' in prov or 'heads' in prov, f'{path}: no weight checksums'
 
 
-@pytest.mark.parametrize('kind', ['jetspec', 'dflash', 'jetspecpp', 'dspark'])
-def test_each_shipped_head_is_its_preset(kind):
+SHIPPED_HEADS = [
+  (kind, preset, asset)
+  for kind in ('jetspec', 'dflash', 'jetspecpp', 'dspark')
+  for preset, asset in (
+    (f'{kind}_shipped', f'{kind}_head_smollm2_135m'),
+    (f'{kind}_public_b16', f'{kind}_head_smollm2_135m_b16'),
+  )
+  if (ROOT / 'assets' / asset).is_dir()
+]
+
+
+@pytest.mark.parametrize('kind,preset,asset', SHIPPED_HEADS, ids=[h[2] for h in SHIPPED_HEADS])
+def test_each_shipped_head_is_its_preset(kind, preset, asset):
   """The architecture a shipped head stores (its config.json) is what its card's preset
-  (``draft_smollm2.py:<kind>_shipped``) builds, and the card names that preset."""
+  (``draft_smollm2.py:<kind>_shipped``, ``:<kind>_public_b16``) builds, and the card names
+  that preset."""
   from experiments.configs.train import draft_smollm2
 
-  config = draft_smollm2.get_config(f'{kind}_shipped')
-  asset = ROOT / 'assets' / f'{kind}_head_smollm2_135m'
+  assert len(SHIPPED_HEADS) >= 4
+  config = draft_smollm2.get_config(preset)
+  asset = ROOT / 'assets' / asset
   stored = json.loads((asset / 'config.json').read_text())
   extra = stored['dflash_config']
   assert stored['num_hidden_layers'] == config.head.num_layers
@@ -187,5 +200,33 @@ def test_each_shipped_head_is_its_preset(kind):
   assert extra.get('copy_seed', 0) == config.head.copy_seed
   assert extra.get('markov_rank', 0) == config.head.markov_rank
   assert (extra.get('head_kind') == 'jetspecpp') == config.head.refine
-  assert f'draft_smollm2.py:{kind}_shipped' in (asset / 'README.md').read_text()
-  assert config.train.init_from == f'runs/{kind}/export' and config.data.prompt_rounds == 3
+  assert f'draft_smollm2.py:{preset}' in (asset / 'README.md').read_text()
+  assert config.data.prompt_rounds == 3
+  if preset.endswith('_shipped'):
+    assert config.train.init_from == f'runs/{kind}/export'
+  else:  # the shipped head continued
+    assert config.train.init_from == f'assets/{kind}_head_smollm2_135m'
+    assert config.data.mix[0]['dir'] == 'data/public_chat'
+
+
+def test_a_summary_reads_heads_from_several_result_files():
+  """``heads_summary`` over comma-separated sources: one row per head in the sources' order, its
+  mean tau as its own file holds it; heads walked on different records are refused."""
+  sources = 'benchmarks/public_block16/results.json,benchmarks/causal_vs_bidirectional/results.json'
+  block = doc_tables.Block(ROOT / 'README.md', 'heads_summary', None, sources, '')
+  files = block.files()
+  assert [f.parent.name for f in files] == ['public_block16', 'causal_vs_bidirectional']
+  rows = [line for line in block.expected().splitlines() if line.startswith('| ')][1:]
+  assert [line.split(' | ')[0] for line in rows] == ['| JetSpec', '| DFlash-style']
+  for line, path in zip(rows, files):
+    result = json.loads(path.read_text())
+    tree16 = next(r for r in result['rows'] if r['method'] == 'tree 16 best_first')
+    assert line.split(' | ')[3] == f'{tree16["mean_over_sets"]:.2f}'
+  fewer = json.loads(files[1].read_text())
+  fewer['sets']['gsm8k']['walked'] -= 1
+  records = {str(f): json.loads(f.read_text()) for f in files[:1]}
+  records['other'] = fewer
+  with pytest.raises(ValueError, match='different records'):
+    doc_tables.heads_summary(records, None)
+  with pytest.raises(FileNotFoundError, match='no result file'):
+    block.replace(source=sources + ',benchmarks/none/results.json').files()

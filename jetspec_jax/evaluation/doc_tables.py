@@ -7,7 +7,8 @@ hand: each sits between markers naming its renderer and its result file,
 
 (``# generated: ...`` / ``# end generated`` inside a card's YAML front matter). ``python -m
 jetspec_jax.evaluation.doc_tables`` rewrites every block; a test re-renders each and compares.
-A source may be a glob (``benchmarks/heldout/*.json``): the renderer gets every file it matches.
+A source may be a glob (``benchmarks/heldout/*.json``) or several, comma-separated: the renderer
+gets every file they match, in that order.
 """
 
 import dataclasses
@@ -87,6 +88,45 @@ def public_summary(records: dict[str, dict], arg: str | None) -> str:
     f'{result["provenance"]["config"]["max_new_tokens"]} new tokens'
     + (f'; the copy drafter: a chain of up to {copy["copy_len"]} copied tokens' if copy else '')
     + '). Per set, spread and method: [docs/results.md](docs/results.md).',
+  ]
+  return '\n'.join(lines) + '\n'
+
+
+def heads_summary(records: dict[str, dict], arg: str | None) -> str:
+  """Heads walked in several workdirs along the same records (``public_smollm2.py:block16`` and
+  the like): each head's tau, mean over the sets, at the summary's methods (DSpark: its own
+  verify), its weights and the records it walked."""
+  lines = [
+    '| head | ' + ' | '.join(SUMMARY_METHODS) + ' | range over sets (tree 16) |',
+    '|---|' + '---|' * (len(SUMMARY_METHODS) + 1),
+  ]
+  walked, weights = set(), {}
+  for _, result in records.items():
+    rows = _public_rows(result)
+    sets = [b for b in report.BENCHMARKS if b in result['sets'] and result['sets'][b]['walked']]
+    walked.add((sum(result['sets'][b]['walked'] for b in sets), len(sets)))
+    weights.update(result['provenance']['heads'])
+    for drafter in dict.fromkeys(r['drafter'] for r in result['rows']):
+      name = DRAFTERS[drafter][0]
+      found = [rows.get((drafter, m)) for m in SUMMARY_METHODS]
+      if any(found):
+        cells = [_fmt(r['mean_over_sets']) if r else '—' for r in found]
+        ref = rows.get((drafter, 'tree 16 best_first')) or next(r for r in found if r)
+        lines.append(f'| {name} | ' + ' | '.join(cells) + f' | {_spread(ref)} |')
+      for r in result['rows']:
+        if r['drafter'] == drafter and r['method'].startswith('dspark'):
+          lines.append(
+            f'| {name}, its own verify ({r["method"]}) | {_fmt(r["mean_over_sets"])} |'
+            + ' — |' * (len(SUMMARY_METHODS) - 1)
+            + f' {_spread(r)} |'
+          )
+  if len(walked) != 1:
+    raise ValueError(f'the heads walked different records: {sorted(walked)} (records, sets)')
+  ((count, sets),) = walked
+  lines += [
+    '',
+    f'Mean tau over {sets} public sets, {count} records each head (greedy); weights: '
+    f'{report.checksums(weights)}.',
   ]
   return '\n'.join(lines) + '\n'
 
@@ -458,6 +498,7 @@ RENDERERS = dict(
   speed=speed,
   wallclock=wallclock,
   before_after=before_after,
+  heads_summary=heads_summary,
   heldout_compare=heldout_tables.heldout_compare,
 )
 
@@ -472,9 +513,12 @@ class Block:
   root: pathlib.Path = ROOT
 
   def files(self) -> list[pathlib.Path]:
-    found = sorted(self.root.glob(self.source))
-    if not found:
-      raise FileNotFoundError(f'{self.path}: no result file {self.source}')
+    found = []
+    for pattern in self.source.split(','):
+      matched = sorted(self.root.glob(pattern))
+      if not matched:
+        raise FileNotFoundError(f'{self.path}: no result file {pattern}')
+      found += [f for f in matched if f not in found]
     return found
 
   def expected(self) -> str:

@@ -8,9 +8,16 @@ from jetspec_jax.evaluation import report
 _fmt = report._fmt  # '—' for a missing value
 
 
+def _round(record: dict) -> str:
+  """A card's name for a held-out set: the prompt round of the rounds' data, else the set."""
+  if pathlib.PurePath(record['heldout']['data_dir']).parts[:2] != ('data', 'smollm2_135m'):
+    return _heldout_set(record)
+  return 'round 2' if 'round2' in record.get('heldout_subdir', '') else 'round 0'
+
+
 def _heldout_rows(records: dict[str, dict], drafter: str):
   for _, record in sorted(records.items()):
-    round_ = 'round 2' if 'round2' in record.get('heldout_subdir', '') else 'round 0'
+    round_ = _round(record)
     for r in record['rows']:
       if r['drafter'] == drafter or (drafter == 'copy' and r['drafter'].startswith('copy')):
         yield round_, r

@@ -16,7 +16,8 @@ Heads: the presets ``jetspec``, ``dflash``, ``jetspecpp`` and ``dspark`` train o
 ``public_chat`` is the data of prompts people send (data/public_chat/README.md);
 ``<head>_public`` continues a shipped head on rounds 0-2 plus that data, ``jetspec_b16`` and
 ``dflash_b16`` are the first stage with the paper's blocks of 16 (a scaling point at equal
-compute).
+compute), and ``<head>_public_b16`` is the recipe of the four heads drafting blocks of 16
+(assets/<head>_head_smollm2_135m_b16; the public-chat shards as committed at 9cd5d39).
 
 Prompts are made offline and never include an evaluation prompt: instructions the model writes
 itself from its bare user-turn prefix, coding tasks from the standard library's training split,
@@ -35,8 +36,11 @@ from jetspec_jax.models import model_cache
 def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
   # '<head>_shipped': the shipped head's second stage, from the first stage's export;
   # '<head>_public': the shipped head continued on rounds 0-2 plus the public-chat data;
-  # '<head>_b16': the first stage with blocks of 16 (jetspec, dflash)
-  suffix = next((x for x in ('_shipped', '_public', '_b16') if arg and arg.endswith(x)), '')
+  # '<head>_b16': the first stage with blocks of 16 (jetspec, dflash);
+  # '<head>_public_b16': '<head>_public' at blocks of 16, the heads in assets/<head>_*_b16
+  suffix = next(
+    (x for x in ('_shipped', '_public_b16', '_public', '_b16') if arg and arg.endswith(x)), ''
+  )
   arg = arg.removesuffix(suffix) if suffix else arg
   shipped = suffix == '_shipped'
   config = draft_tiny.get_config()
@@ -173,7 +177,7 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
         features_compute_dtype='bfloat16',
         features_dir=str(model_cache.cache_dir() / 'features' / 'smollm2_135m_bf16'),
       )
-  if suffix == '_public':
+  if suffix in ('_public', '_public_b16'):
     # The shipped head (assets/) continued on rounds 0-2 and, in half the steps, the public-chat
     # conversations (data.mix: their own width and feature cache; the first shard of each of its
     # directories held out). Width 1,536 holds 99% of the first turns whole (a longer one is cut;
@@ -191,6 +195,18 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     ]
     config.train.update(init_from=f'assets/{arg}_head_smollm2_135m', steps=1500, lr=5e-4)
     config.eval.update(num_prompts=2, max_new_tokens=48)
+  if suffix == '_public_b16':
+    # The four heads at one recipe with the paper's block size: each shipped head continued
+    # 600 steps on the first training shard of each rounds' directory and the public-chat
+    # conversations (the bfloat16 feature caches), drafting blocks of 16 (DSpark: 15, its
+    # anchor slot predicts too) from 16 anchors a sequence, the slots of 32 blocks of 8.
+    config.head.block_size = 15 if arg == 'dspark' else 16
+    config.train.update(num_anchors=16, steps=600, warmup_steps=30, checkpoint_every=100)
+    config.data.update(
+      shards_per_dir=1,
+      features_compute_dtype='bfloat16',
+      features_dir=str(model_cache.cache_dir() / 'features' / 'smollm2_135m_bf16'),
+    )
   if suffix == '_b16':
     if arg not in ('jetspec', 'dflash'):
       raise ValueError(f'blocks of 16 are a preset of the jetspec and dflash heads, not {arg!r}')
