@@ -230,3 +230,24 @@ def test_a_summary_reads_heads_from_several_result_files():
     doc_tables.heads_summary(records, None)
   with pytest.raises(FileNotFoundError, match='no result file'):
     block.replace(source=sources + ',benchmarks/none/results.json').files()
+
+
+def test_goals_take_the_best_result_file_and_name_it():
+  """Each goal's best value over the files, named by the file's directory; a goal a file cannot
+  measure (no DFlash-style head beside the blocks-of-16 one) comes from the file that can."""
+  files = ['benchmarks/public/results.json', 'benchmarks/public_block16/results.json']
+  block = doc_tables.Block(ROOT / 'README.md', 'goals', None, ','.join(files), '')
+  rows = {line.split(' | ')[0][2:]: line.split(' | ')[1:] for line in block.expected().splitlines()}
+  tree16 = []
+  for path in files:
+    result = json.loads((ROOT / path).read_text())
+    row = next(
+      r for r in result['rows'] if (r['drafter'], r['method']) == ('jetspec', 'tree 16 best_first')
+    )
+    tree16.append((row['mean_over_sets'], pathlib.PurePath(path).parent.name))
+  value, where = max(tree16)
+  assert rows['JetSpec best_first tree 16, tau, mean over the public sets'][1:3] == [
+    f'{value:.2f}',
+    where,
+  ]
+  assert rows['JetSpec (causal) minus DFlash-style, tree 16 tau'][2] == 'public'

@@ -133,11 +133,22 @@ def heads_summary(records: dict[str, dict], arg: str | None) -> str:
 
 # Goals the project states, each read off a result file: (goal, renderer of the measured value).
 def _goal_rows(result: dict):
+  """(goal, target, value, bound) of one result file; a head walked beside a baseline workdir
+  (``public_smollm2.py:block16`` and the like) is read from its rows, another family's head from
+  the baseline's rows it was paired with."""
   rows = _public_rows(result)
-  tree16 = rows.get(('jetspec', 'tree 16 best_first'))
-  tree128 = rows.get(('jetspec', 'tree 128 best_first'))
-  chain = rows.get(('jetspec', 'chain'))
-  dflash16 = rows.get(('dflash', 'tree 16 best_first'))
+  base = _public_rows(result['baseline']) if 'baseline' in result else {}
+  paired = (result['provenance'].get('config') or {}).get('baseline_drafter') or None
+
+  def get(drafter, method):
+    if (drafter, method) in rows:
+      return rows[(drafter, method)]
+    return base.get((drafter, method)) if drafter == paired else None
+
+  tree16 = get('jetspec', 'tree 16 best_first')
+  tree128 = get('jetspec', 'tree 128 best_first')
+  chain = get('jetspec', 'chain')
+  dflash16 = get('dflash', 'tree 16 best_first')
   yield (
     'JetSpec best_first tree 16, tau, mean over the public sets',
     '>= 3.6',
@@ -153,17 +164,26 @@ def _goal_rows(result: dict):
     chain and chain['mean_over_sets'],
     2.5,
   )
-  if tree16 and dflash16:
-    diff = tree16['mean_over_sets'] - dflash16['mean_over_sets']
-    yield 'JetSpec (causal) minus DFlash-style, tree 16 tau', '>= 0', diff, 0.0
+  diff = tree16 and dflash16 and tree16['mean_over_sets'] - dflash16['mean_over_sets']
+  yield 'JetSpec (causal) minus DFlash-style, tree 16 tau', '>= 0', diff, 0.0
 
 
 def goals(records: dict[str, dict], arg: str | None) -> str:
-  ((source, result),) = records.items()
-  lines = ['| goal | target | best measured | met |', '|---|---|---|---|']
-  for goal, target, value, bound in _goal_rows(result):
+  """The goals against the best value any of the result files measured, and where: the
+  directory of that file (its records: the whole table, or the first 32 of each set)."""
+  best = {}
+  for source, result in records.items():
+    where = pathlib.PurePath(source).parent.name
+    for goal, target, value, bound in _goal_rows(result):
+      if goal not in best or (
+        value is not None and (best[goal][2] is None or value > best[goal][2])
+      ):
+        best[goal] = (goal, target, value, bound, where if value is not None else '—')
+  lines = ['| goal | target | best measured | in | met |', '|---|---|---|---|---|']
+  for goal, target, value, bound, where in best.values():
     met = '—' if value is None else ('yes' if value >= bound else 'no')
-    lines.append(f'| {goal} | {target} | {_fmt(value, "+.2f" if bound == 0 else ".2f")} | {met} |')
+    spec = '+.2f' if bound == 0 else '.2f'
+    lines.append(f'| {goal} | {target} | {_fmt(value, spec)} | {where} | {met} |')
   return '\n'.join(lines) + '\n'
 
 
