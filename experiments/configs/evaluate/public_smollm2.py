@@ -117,7 +117,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.walk_per_set = 32
     config.docs = ''
   if arg in ('jetspecpp_block16', 'dspark_block16'):
-    # The JetSpec++ and DSpark heads continued at the same recipe as the blocks-of-16 pair
+    # The JetSpec++ or DSpark head continued at the same recipe as the blocks-of-16 pair
     # (draft_smollm2.py:<head>_public, blocks of 16 (DSpark: 15 drafts, its anchor predicts too),
     # 16 anchors, 600 steps), their shipped bfloat16 files walked beside the heads they continue
     kind = arg.removesuffix('_block16')

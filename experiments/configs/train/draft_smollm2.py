@@ -16,7 +16,7 @@ Heads: the presets ``jetspec``, ``dflash``, ``jetspecpp`` and ``dspark`` train o
 ``public_chat`` is the data of prompts people send (data/public_chat/README.md);
 ``<head>_public`` continues a shipped head on rounds 0-2 plus that data, ``jetspec_b16`` and
 ``dflash_b16`` are the first stage with the paper's blocks of 16 (a scaling point at equal
-compute), and ``<head>_public_b16`` is the recipe of the four heads drafting blocks of 16
+compute), and ``<head>_public_b16`` is the recipe of the heads drafting blocks of 16
 (assets/<head>_head_smollm2_135m_b16; the public-chat shards as committed at 9cd5d39).
 
 Prompts are made offline and never include an evaluation prompt: instructions the model writes
@@ -196,7 +196,7 @@ def get_config(arg: str | None = 'jetspec') -> ml_collections.ConfigDict:
     config.train.update(init_from=f'assets/{arg}_head_smollm2_135m', steps=1500, lr=5e-4)
     config.eval.update(num_prompts=2, max_new_tokens=48)
   if suffix == '_public_b16':
-    # The four heads at one recipe with the paper's block size: each shipped head continued
+    # Every family at one recipe with the paper's block size: each shipped head continued
     # 600 steps on the first training shard of each rounds' directory and the public-chat
     # conversations (the bfloat16 feature caches), drafting blocks of 16 (DSpark: 15, its
     # anchor slot predicts too) from 16 anchors a sequence, the slots of 32 blocks of 8.
