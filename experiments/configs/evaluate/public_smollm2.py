@@ -118,8 +118,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.docs = ''
   if arg in ('jetspecpp_block16', 'dspark_block16'):
     # The JetSpec++ or DSpark head continued at the same recipe as the blocks-of-16 pair
-    # (draft_smollm2.py:<head>_public, blocks of 16 (DSpark: 15 drafts, its anchor predicts too),
-    # 16 anchors, 600 steps), their shipped bfloat16 files walked beside the heads they continue
+    # (draft_smollm2.py:<head>_public_b16), its shipped bfloat16 file walked beside the shipped
+    # head it continues
     kind = arg.removesuffix('_block16')
     config.heads = [[kind, f'assets/{kind}_head_smollm2_135m_b16']]
     config.copy_drafter = False
