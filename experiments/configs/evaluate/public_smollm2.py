@@ -57,6 +57,19 @@ METHODS = (
 )
 
 
+def _beside(config, kind, head, baseline, labels=None, walk_per_set=32) -> None:
+  """One head walked along benchmarks/public's stored responses (the first ``walk_per_set`` of
+  each set) beside the baseline workdir's walks of the same records; no docs page of its own."""
+  config.heads = [[kind, head]]
+  config.copy_drafter = False
+  config.responses_from = 'benchmarks/public'
+  config.baseline = baseline
+  if labels:
+    config.labels = labels
+  config.walk_per_set = walk_per_set
+  config.docs = ''
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.target = 'smollm2_135m_instruct'  # a packaged model's name, or a GGUF / HF path
@@ -88,61 +101,37 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.labels = ['shipped', 'continued']  # the baseline's head and this one, in before/after
   config.baseline_drafter = ''  # the baseline's drafter beside each head ('': the same name)
   if arg == 'retrained':
-    config.heads = [['jetspec', 'runs/jetspec_public/export']]
-    config.copy_drafter = False
-    config.responses_from = 'benchmarks/public'
-    config.baseline = 'benchmarks/public'
-    config.walk_per_set = 32
-    config.docs = ''
+    _beside(config, 'jetspec', 'runs/jetspec_public/export', 'benchmarks/public')
   if arg == 'block16':
     # The same continuation with blocks of 16 (draft_smollm2.py:jetspec_public at
     # head.block_size=16, num_anchors=16: equal slots a step), beside the blocks-of-8 one
-    config.heads = [['jetspec', 'runs/jetspec_public_b16/export']]
-    config.copy_drafter = False
-    config.responses_from = 'benchmarks/public'
-    config.baseline = 'benchmarks/public_retrained'
-    config.labels = ['block 8', 'block 16']
-    config.walk_per_set = 32
-    config.docs = ''
+    head = 'runs/jetspec_public_b16/export'
+    _beside(config, 'jetspec', head, 'benchmarks/public_retrained', ['block 8', 'block 16'])
   if arg == 'dflash_block16':
     # The DFlash-style (bidirectional) twin of the blocks-of-16 JetSpec head: same data, steps
     # and slots (draft_smollm2.py:dflash_public at head.block_size=16, num_anchors=16, 600
     # steps), beside it on the same records
-    config.heads = [['dflash', 'runs/dflash_public_b16_600/export']]
-    config.copy_drafter = False
-    config.responses_from = 'benchmarks/public'
-    config.baseline = 'benchmarks/public_block16'
+    head, labels = 'runs/dflash_public_b16_600/export', ['causal', 'bidirectional']
+    _beside(config, 'dflash', head, 'benchmarks/public_block16', labels)
     config.baseline_drafter = 'jetspec'
-    config.labels = ['causal', 'bidirectional']
-    config.walk_per_set = 32
-    config.docs = ''
   if arg in ('jetspecpp_block16', 'dspark_block16'):
     # The JetSpec++ or DSpark head continued at the same recipe as the blocks-of-16 pair
     # (draft_smollm2.py:<head>_public_b16), its shipped bfloat16 file walked beside the shipped
     # head it continues
     kind = arg.removesuffix('_block16')
-    config.heads = [[kind, f'assets/{kind}_head_smollm2_135m_b16']]
-    config.copy_drafter = False
-    config.responses_from = 'benchmarks/public'
-    config.baseline = 'benchmarks/public'
-    config.labels = ['shipped', 'block 16']
-    config.walk_per_set = 32
-    config.docs = ''
+    head = f'assets/{kind}_head_smollm2_135m_b16'
+    _beside(config, kind, head, 'benchmarks/public', ['shipped', 'block 16'])
   if arg in ('block16_file', 'dflash_block16_file'):
     # The shipped bfloat16 file of a blocks-of-16 head beside the float32 export that was
     # walked (its workdir the baseline), on the first 4 records of each set: does the cast
     # change a round?
     kind = 'dflash' if arg.startswith('dflash') else 'jetspec'
-    config.heads = [[kind, f'assets/{kind}_head_smollm2_135m_b16']]
-    config.copy_drafter = False
-    config.responses_from = 'benchmarks/public'
-    config.baseline = {
+    baseline = {
       'jetspec': 'benchmarks/public_block16',
       'dflash': 'benchmarks/causal_vs_bidirectional',
     }[kind]
-    config.labels = ['float32 export', 'bfloat16 file']
-    config.walk_per_set = 4
-    config.docs = ''
+    head, labels = f'assets/{kind}_head_smollm2_135m_b16', ['float32 export', 'bfloat16 file']
+    _beside(config, kind, head, baseline, labels, walk_per_set=4)
   if arg == 'tiny':  # a few short responses, one head (tests)
     config.samples = [['humaneval', 1], ['mtbench', 1]]
     config.max_new_tokens = 24
